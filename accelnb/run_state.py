@@ -78,3 +78,23 @@ def request_stop() -> bool:
         return False
     run.stop_requested.set()
     return True
+
+
+# While a launch blocks the kernel's main thread, the kernel processes no widget or comm
+# messages. Displays that need them (a Stop button) register a hook here; the launcher calls
+# every hook about ten times a second from the waiting thread.
+WaitHook = Callable[[], None]
+_wait_hooks: list[WaitHook] = []
+
+
+def add_wait_hook(hook: WaitHook) -> Callable[[], None]:
+    _wait_hooks.append(hook)
+    return lambda: _wait_hooks.remove(hook) if hook in _wait_hooks else None
+
+
+def run_wait_hooks() -> None:
+    for hook in list(_wait_hooks):
+        try:
+            hook()
+        except Exception:  # a broken display must never break the launch
+            pass
