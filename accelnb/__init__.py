@@ -1,0 +1,60 @@
+"""accelnb: multi-GPU PyTorch training from a Jupyter notebook, as easy as running a cell.
+
+    from accelnb import notebook_launcher
+    loss = notebook_launcher(train, args=(1e-3,), gpus="0,1")     # or num_processes=2 on CPU
+
+or ``%load_ext accelnb`` and a ``%%distributed --gpus 0,1`` cell. Importing accelnb has no side
+effects: no NVML, no CUDA, no threads, no processes until the first launch.
+"""
+
+from accelnb.errors import (
+    AccelnbError,
+    GpuSelectionError,
+    LaunchConfigError,
+    LaunchFailed,
+    LaunchTimeout,
+    PortInUseError,
+    RankCrashed,
+    RankFailed,
+    UnpicklableError,
+    WorkerStartError,
+)
+from accelnb.failures import RankFailure
+from accelnb.inventory import GpuInfo, Inventory, read_inventory, synthetic_inventory
+from accelnb.launch_result import LaunchResult
+from accelnb.launcher import launch, notebook_launcher
+from accelnb.metrics_history import MetricHistory
+from accelnb.metrics_worker import report
+from accelnb.planning import LaunchPlan, RankSpec, plan
+from accelnb.selection import Selection, current_selection, set_selection
+from accelnb.zygote_client import prewarm
+
+__all__ = [
+    "AccelnbError",
+    "GpuInfo",
+    "GpuSelectionError",
+    "Inventory",
+    "LaunchConfigError",
+    "LaunchFailed",
+    "LaunchPlan",
+    "LaunchResult",
+    "LaunchTimeout",
+    "MetricHistory",
+    "PortInUseError",
+    "RankCrashed",
+    "RankFailed",
+    "RankFailure",
+    "RankSpec",
+    "Selection",
+    "UnpicklableError",
+    "WorkerStartError",
+    "current_selection",
+    "launch",
+    "notebook_launcher",
+    "plan",
+    "prewarm",
+    "read_inventory",
+    "report",
+    "set_selection",
+    "synthetic_inventory",
+]

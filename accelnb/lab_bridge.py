@@ -1,0 +1,255 @@
+"""The kernel side of JupyterLab's "GPUs" panel: the ``accelnb.gpus`` comm target.
+
+``%load_ext accelnb`` calls :func:`register_comm_target`; from then on the panel (the
+``accelnb-labextension`` JupyterLab extension) can open a comm to this kernel, show its GPUs,
+write the notebook-wide selection (:mod:`accelnb.selection`) and follow the run in progress
+(:mod:`accelnb.run_state`). This module only translates messages; it decides nothing.
+
+    >>> register_comm_target(get_ipython())      # what %load_ext accelnb does
+    >>> is_registered()
+    True
+
+The protocol (every message is the ``data`` of a Jupyter comm message, a JSON object)::
+
+    panel                                         kernel
+      comm_open  target "accelnb.gpus", {}  ──►
+                                            ◄──  {"type": "state", ...}          at once
+      {"type": "select", "gpus": [0, 2]}    ──►  set_selection(gpus=[0, 2])
+      {"type": "select", "num_processes": 2} ─►  set_selection(num_processes=2)
+      {"type": "select", "gpus": []}        ──►  clear_selection()  (so does a select with neither)
+      {"type": "refresh"}                   ──►  read the inventory again, answer with a state
+      {"type": "stop"}                      ──►  run_state.request_stop()
+                                            ◄──  {"type": "state", ...}          after every
+                                                 selection change and run change, whoever made it
+                                            ◄──  {"type": "error", "message": "..."}  a request
+                                                 was refused (unknown GPU, bad number...), then a
+                                                 state so the panel shows what really holds
+      comm_close                            ──►  unsubscribe this panel
+
+A state message::
+
+    {"type": "state",
+     "inventory": {"gpus": [{"index", "name", "uuid", "pci_bus_id", "memory_total",
+                             "memory_used", "utilization", "visible",
+                             "processes": [{"pid", "memory_used"}]}],   # bytes, percent
+                   "synthetic": bool, "source": "nvml" | "none" | "synthetic", "note": str},
+     "selection": {"gpus": [int] | null, "num_processes": int | null, "magic_line": str},
+     "run": null | {"run_id": int, "finished": bool,
+                    "ranks": [{"rank", "device", "phase", "pid", "detail"}]}}
+
+Each open comm is one panel with its own subscriptions; closing the comm ends them. The
+inventory is read when a panel connects, on ``refresh`` and when a run finishes, not on every
+run change (NVML is not free and runs publish often). Run changes arrive from the launcher's
+threads: ipykernel sends comm messages from any thread through its IOPub thread, so states
+reach the panel while a launch blocks the cell. Messages *from* the panel wait until the cell
+ends; that is why the panel's Stop button interrupts the kernel instead.
+
+If the target is not registered (accelnb not loaded), ipykernel closes the panel's comm at
+once. The panel avoids that by asking first with a silent ``user_expressions`` probe that
+calls :func:`is_registered`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import comm
+
+from accelnb import run_state, selection
+from accelnb.inventory import Inventory, read_inventory
+
+if TYPE_CHECKING:
+    from comm.base_comm import BaseComm
+    from IPython.core.interactiveshell import InteractiveShell
+
+TARGET_NAME = "accelnb.gpus"
+
+_log = logging.getLogger(__name__)
+_panels: list[_PanelConnection] = []
+
+
+def register_comm_target(shell: InteractiveShell | None = None) -> None:
+    """Let JupyterLab's GPUs panel connect to this kernel (called by ``%load_ext accelnb``).
+
+    Calling it again is harmless. ``shell`` is accepted for the extension loader's sake; the
+    comm manager is the kernel's, found through the ``comm`` package.
+    """
+    comm.get_comm_manager().register_target(TARGET_NAME, _open_panel)
+
+
+def unregister_comm_target(shell: InteractiveShell | None = None) -> None:
+    """Undo :func:`register_comm_target` and close the open panels' comms (``%unload_ext``)."""
+    manager = comm.get_comm_manager()
+    if TARGET_NAME in manager.targets:
+        manager.unregister_target(TARGET_NAME, _open_panel)
+    for panel in list(_panels):
+        panel.close()
+
+
+def is_registered() -> bool:
+    """Whether the panel can connect, i.e. the comm target is registered in this kernel."""
+    return TARGET_NAME in comm.get_comm_manager().targets
+
+
+def _open_panel(panel_comm: BaseComm, open_msg: dict[str, Any]) -> None:
+    """ipykernel calls this for every ``comm_open`` to our target."""
+    _PanelConnection(panel_comm).start()
+
+
+class _PanelConnection:
+    """One panel: its comm, its subscriptions, and the inventory it was last shown."""
+
+    def __init__(self, panel_comm: BaseComm) -> None:
+        self._comm = panel_comm
+        self._inventory = Inventory()
+        self._inventory_error = ""
+        self._inventory_run_id: int | None = None  # the finished run we last re-read after
+        self._unsubscribe: list[Any] = []
+        self._closed = False
+        # States come from the shell thread (panel requests) and launcher threads (run
+        # changes); one at a time keeps them in order.
+        self._send_lock = threading.Lock()
+
+    def start(self) -> None:
+        self._comm.on_msg(self._on_msg)
+        self._comm.on_close(self._on_close)
+        self._unsubscribe = [
+            selection.on_selection_change(lambda _selection: self.send_state()),
+            run_state.on_run_change(self._on_run_change),
+        ]
+        _panels.append(self)
+        self._read_inventory()
+        self.send_state()
+
+    def close(self) -> None:
+        self._end()
+        try:
+            self._comm.close()
+        except Exception:  # the kernel is shutting down; nothing to tell
+            _log.debug("closing the accelnb.gpus comm failed", exc_info=True)
+
+    # -- messages from the panel -------------------------------------------------------------
+
+    def _on_msg(self, msg: dict[str, Any]) -> None:
+        data = msg.get("content", {}).get("data") or {}
+        kind = data.get("type")
+        try:
+            if kind == "select":
+                self._select(data)
+            elif kind == "refresh":
+                self._read_inventory()
+                self.send_state()
+            elif kind == "stop":
+                run_state.request_stop()
+                self.send_state()
+            else:
+                raise ValueError(f"Unknown panel message type {kind!r}; expected select, refresh or stop.")
+        except ValueError as error:
+            self._send({"type": "error", "message": str(error)})
+            self.send_state()
+
+    def _select(self, data: dict[str, Any]) -> None:
+        gpus = data.get("gpus")
+        count = data.get("num_processes")
+        if count is not None:
+            if gpus:
+                raise ValueError("Select either GPUs or a number of CPU ranks, not both.")
+            if not _is_int(count) or count < 1:
+                raise ValueError(f"CPU ranks must be a whole number, at least 1; got {count!r}.")
+            selection.set_selection(num_processes=count)
+        elif gpus:
+            selection.set_selection(gpus=self._checked_gpus(gpus))
+        else:
+            selection.clear_selection()
+
+    def _checked_gpus(self, gpus: Any) -> list[int]:
+        """The GPU indices the panel sent, if this kernel can use every one of them."""
+        if not isinstance(gpus, list) or not all(_is_int(i) for i in gpus):
+            raise ValueError(f"gpus must be a list of GPU indices, got {gpus!r}.")
+        inventory = self._inventory
+        for index in gpus:
+            gpu = inventory.by_index(index)
+            if gpu is None:
+                known = ", ".join(str(g.index) for g in inventory.gpus) or "none"
+                raise ValueError(f"There is no GPU {index} on this machine (GPUs: {known}). Press Refresh.")
+            if not gpu.visible:
+                raise ValueError(
+                    f"GPU {index} is hidden from this kernel by its CUDA_VISIBLE_DEVICES; "
+                    "start the kernel without that setting to use it."
+                )
+        return list(dict.fromkeys(gpus))  # drop repeats, keep the order
+
+    def _on_close(self, msg: dict[str, Any]) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        self._closed = True
+        for unsubscribe in self._unsubscribe:
+            unsubscribe()
+        self._unsubscribe = []
+        if self in _panels:
+            _panels.remove(self)
+
+    # -- state to the panel ------------------------------------------------------------------
+
+    def _on_run_change(self, run: run_state.RunState | None) -> None:
+        if run is not None and run.finished and self._inventory_run_id != run.run_id:
+            # Memory and utilisation moved during the run; show them as they are now.
+            self._inventory_run_id = run.run_id
+            self._read_inventory()
+        self.send_state()
+
+    def _read_inventory(self) -> None:
+        try:
+            self._inventory = read_inventory()
+            self._inventory_error = ""
+        except Exception as error:  # a bad ACCELNB_SYNTHETIC_GPUS, a broken driver
+            self._inventory = Inventory(source="none", note=str(error))
+            self._inventory_error = str(error)
+
+    def send_state(self) -> None:
+        if self._inventory_error:
+            self._send({"type": "error", "message": self._inventory_error})
+        self._send(state_message(self._inventory, selection.current_selection(), run_state.current_run()))
+
+    def _send(self, data: dict[str, Any]) -> None:
+        with self._send_lock:
+            if self._closed:
+                return
+            try:
+                self._comm.send(data)
+            except Exception:  # a display must never break a launch or a selection
+                _log.warning("could not send to the GPUs panel", exc_info=True)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # JSON true is not GPU 1
+
+
+def state_message(
+    inventory: Inventory, chosen: selection.Selection | None, run: run_state.RunState | None
+) -> dict[str, Any]:
+    """The ``state`` message for this inventory, selection and run (plain JSON types)."""
+    chosen = chosen or selection.Selection()
+    return {
+        "type": "state",
+        "inventory": {
+            "gpus": [dataclasses.asdict(gpu) for gpu in inventory.gpus],
+            "synthetic": inventory.synthetic,
+            "source": inventory.source,
+            "note": inventory.note,
+        },
+        "selection": {
+            "gpus": list(chosen.gpus) if chosen.gpus is not None else None,
+            "num_processes": chosen.num_processes,
+            "magic_line": chosen.as_magic_line(),
+        },
+        "run": None if run is None else {
+            "run_id": run.run_id,
+            "finished": run.finished,
+            "ranks": [dataclasses.asdict(rank) for rank in list(run.ranks)],
+        },
+    }

@@ -1,0 +1,77 @@
+"""Packing the user's function and arguments for the trip to the workers, with precise errors.
+
+cloudpickle carries functions, lambdas, closures and classes defined in notebook cells by value.
+When something cannot travel, the error names exactly which argument (or which global the
+function uses) is at fault and what type it is, before any process starts.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import cloudpickle
+
+from accelnb.errors import LaunchConfigError, UnpicklableError
+
+_HINT = ("Create it inside the function instead (workers are separate processes), or pass "
+         "something that can be pickled, such as a file path or a config dict.")
+
+
+def pack_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> bytes:
+    """cloudpickle ``(fn, args, kwargs)`` or raise :class:`UnpicklableError` naming the culprit."""
+    if not callable(fn):
+        raise LaunchConfigError(
+            f"The function to launch must be callable, got {type(fn).__name__} {fn!r}. "
+            "Pass the function itself (notebook_launcher(train)), not its result (train()).")
+    if not isinstance(args, (tuple, list)):
+        raise LaunchConfigError(
+            f"args must be a tuple of positional arguments, got {type(args).__name__}. "
+            "For one argument write args=(value,).")
+    try:
+        return cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
+    except Exception as error:
+        raise _find_culprit(fn, args, kwargs, error) from None
+
+
+def check_picklable(what: str, value: Any, hint: str = _HINT) -> None:
+    try:
+        cloudpickle.dumps(value)
+    except Exception as error:
+        raise UnpicklableError(what, value, _reason(error), hint) from None
+
+
+def _find_culprit(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any],
+                  error: Exception) -> UnpicklableError:
+    for index, value in enumerate(args):
+        try:
+            cloudpickle.dumps(value)
+        except Exception as inner:
+            return UnpicklableError(f"Argument {index} (args[{index}])", value, _reason(inner), _HINT)
+    for name, value in kwargs.items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as inner:
+            return UnpicklableError(f"Keyword argument {name!r}", value, _reason(inner), _HINT)
+    for name, value in _referenced_names(fn).items():
+        try:
+            cloudpickle.dumps(value)
+        except Exception as inner:
+            return UnpicklableError(
+                f"The name {name!r}, which {getattr(fn, '__name__', 'the function')} uses,",
+                value, _reason(inner), _HINT)
+    return UnpicklableError("The function", fn, _reason(error), _HINT)
+
+
+def _referenced_names(fn: Callable[..., Any]) -> dict[str, Any]:
+    """Globals and closure variables the function reads (what cloudpickle must carry)."""
+    try:
+        closure = inspect.getclosurevars(fn)
+    except (TypeError, ValueError):
+        return {}
+    return {**closure.nonlocals, **closure.globals}
+
+
+def _reason(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"

@@ -1,0 +1,240 @@
+"""What runs inside each worker process, from the fork in the helper to ``os._exit``.
+
+The helper (``zygote.py``) forks, points fds 1 and 2 at the kernel's pipes, and calls
+:func:`worker_main`. The worker then:
+
+1. takes its rank's environment (RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES, …), the kernel's cwd and
+   ``sys.path``; arms faulthandler (segfault tracebacks, SIGUSR1 stack dumps for timeouts);
+2. sets its CUDA device and joins the default process group, rendezvousing through a TCPStore
+   whose listening socket the launcher already bound on 127.0.0.1 (rank 0 inherits it, so the
+   port cannot be stolen and nothing listens beyond loopback);
+3. runs calls from its inbox (one for ``notebook_launcher``, many in a persistent session),
+   answering each with a value or the remote traceback;
+4. tears the group down and exits. End of file on the inbox means the kernel is gone: exit now.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import io
+import os
+import queue
+import signal
+import sys
+import threading
+import time
+import traceback
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import cloudpickle
+
+from accelnb import channel, metrics_worker
+from accelnb.events import CallError, CallResult, Joined, RunCall, Shutdown
+from accelnb.result_pickling import dumps_for_kernel
+
+FLUSH_INTERVAL_S = 0.05
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything the helper hands one worker besides its file descriptors."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: str  # "cuda:N" or "cpu"
+    backend: str
+    env: dict[str, str]
+    master_addr: str
+    master_port: int
+    cwd: str
+    sys_path: list[str]
+    join_timeout_s: float = 300.0
+    persistent: bool = False
+    threads_per_rank: int = 1
+    holds_store: bool = False  # receives the bound rendezvous socket (rank 0 of a single node)
+
+
+def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int | None) -> int:
+    """Run one worker to its end; returns the exit code."""
+    os.environ.update(spec.env)
+    _chdir_quietly(spec.cwd)
+    sys.path[:] = spec.sys_path
+    _install_streams()
+    faulthandler.enable(file=sys.__stderr__, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True, chain=False)
+    events = channel.MessageWriter(events_fd)
+    metrics_worker.attach(events, spec.rank)
+    commands = _start_inbox_reader(inbox_fd)
+    flusher = _start_flusher()
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, spec.threads_per_rank))
+    started = time.perf_counter()
+    try:
+        _join_process_group(spec, store_fd, torch, dist)
+    except BaseException as error:  # noqa: BLE001 - everything must reach the kernel
+        events.send(_describe_error(spec.rank, None, error))
+        _finish(flusher)
+        return 1
+    events.send(Joined(spec.rank, os.getpid(), time.perf_counter() - started))
+
+    exit_code = 0
+    while True:
+        command = commands.get()
+        if command is None or isinstance(command, Shutdown):
+            break
+        assert isinstance(command, RunCall)
+        if not _run_call(spec.rank, command, events):
+            exit_code = 1
+            break
+        if not spec.persistent:
+            break
+    if exit_code == 0 and dist.is_initialized():
+        dist.destroy_process_group()
+    metrics_worker.flush()
+    _finish(flusher)
+    return exit_code
+
+
+def _run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
+    """Run one call; True when it returned normally."""
+    started = time.perf_counter()
+    try:
+        fn, args, kwargs = cloudpickle.loads(call.payload)
+        value = fn(*args, **kwargs)
+        data = dumps_for_kernel(value) if call.want_value else None
+    except BaseException as error:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too
+        if isinstance(error, SystemExit) and error.code in (0, None):
+            data = None
+        else:
+            metrics_worker.flush()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            events.send(_describe_error(rank, call.call_id, error))
+            return False
+    metrics_worker.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    events.send(CallResult(rank, call.call_id, data, time.perf_counter() - started))
+    return True
+
+
+def _join_process_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist: Any) -> None:
+    timeout = timedelta(seconds=spec.join_timeout_s)
+    device_id = None
+    if spec.device.startswith("cuda"):
+        device_id = torch.device(spec.device)
+        torch.cuda.set_device(device_id)
+    store = dist.TCPStore(
+        spec.master_addr,
+        spec.master_port,
+        spec.world_size,
+        is_master=spec.rank == 0,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=store_fd,
+    )
+    kwargs: dict[str, Any] = {"store": store, "rank": spec.rank, "world_size": spec.world_size,
+                              "timeout": timeout}
+    if device_id is not None and spec.backend == "nccl":
+        kwargs["device_id"] = device_id
+    dist.init_process_group(spec.backend, **kwargs)
+
+
+def _describe_error(rank: int, call_id: int | None, error: BaseException) -> CallError:
+    kind = type(error)
+    type_name = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+    try:
+        pickled: bytes | None = cloudpickle.dumps(error)
+        cloudpickle.loads(pickled)  # some exceptions pickle but cannot be rebuilt
+    except Exception:
+        pickled = None
+    return CallError(
+        rank=rank,
+        call_id=call_id,
+        type_name=type_name,
+        message=str(error),
+        traceback=_user_traceback(error),
+        exception=pickled,
+        timestamp=time.time(),
+        keyboard_interrupt=isinstance(error, KeyboardInterrupt),
+    )
+
+
+def _user_traceback(error: BaseException) -> str:
+    """The traceback without this module's frames: the user should see only their code."""
+    tb = error.__traceback__
+    package_dir = os.path.dirname(__file__)
+    while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == package_dir:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(error), error, tb))
+
+
+def _install_streams() -> None:
+    """Fresh, block-buffered text streams over fds 1 and 2; a thread flushes them.
+
+    Line buffering would cost one pipe write per print; a 50 ms flusher keeps output live while
+    a print loop runs at full speed.
+    """
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
+                                  errors="backslashreplace", write_through=False)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
+                                  errors="backslashreplace", write_through=False)
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+
+
+def _start_flusher() -> threading.Event:
+    stop = threading.Event()
+
+    def flush_forever() -> None:
+        while not stop.wait(FLUSH_INTERVAL_S):
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # a user may have replaced or closed the stream
+                    pass
+            metrics_worker.flush()
+
+    threading.Thread(target=flush_forever, name="accelnb-flush", daemon=True).start()
+    return stop
+
+
+def _start_inbox_reader(inbox_fd: int) -> queue.Queue[Any]:
+    """Commands arrive on a thread, so that end of file (the kernel died) ends us at once."""
+    commands: queue.Queue[Any] = queue.Queue()
+
+    def read_forever() -> None:
+        while True:
+            try:
+                message = channel.read_message(inbox_fd)
+            except OSError:
+                message = None
+            if message is None:
+                # The kernel closes our inbox only after we exited, so end of file here means
+                # the kernel died: nobody will read our result. End our whole process group.
+                os.killpg(0, signal.SIGKILL)
+            commands.put(message)
+
+    threading.Thread(target=read_forever, name="accelnb-inbox", daemon=True).start()
+    return commands
+
+
+def _chdir_quietly(path: str) -> None:
+    try:
+        os.chdir(path)
+    except OSError:
+        pass
+
+
+def _finish(flusher: threading.Event) -> None:
+    flusher.set()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
