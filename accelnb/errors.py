@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from accelnb.failures import RankFailure
@@ -75,6 +75,7 @@ class LaunchFailed(AccelnbError, RuntimeError):
 
     message: str
     failures: Sequence[RankFailure] = field(default_factory=tuple)
+    metrics: Any = None  # the MetricHistory reported before the failure, set by the launcher
 
     def __post_init__(self) -> None:
         Exception.__init__(self, self.message)

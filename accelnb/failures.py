@@ -18,6 +18,7 @@ from typing import Literal
 import cloudpickle
 
 from accelnb.errors import LaunchFailed, LaunchTimeout, RankCrashed, RankFailed
+from accelnb.stacks import clean_stack_dump
 
 FailureKind = Literal["exception", "signal", "exit", "stopped", "timeout"]
 
@@ -50,7 +51,7 @@ def signal_failure(rank: int, pid: int, exit_code: int, output_tail: str) -> Ran
             "SIGBUS": " (bad memory access; on Docker often a too-small /dev/shm)",
         }.get(name, "")
         return RankFailure(rank, pid, "signal", f"killed by {name}{hint}", exit_code=exit_code,
-                           signal_name=name, output_tail=output_tail)
+                           signal_name=name, output_tail=clean_stack_dump(output_tail))
     return RankFailure(rank, pid, "exit", f"exited with code {exit_code} without returning "
                        "(os._exit() or a crash in native code)", exit_code=exit_code,
                        output_tail=output_tail)

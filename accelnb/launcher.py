@@ -25,10 +25,11 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
 from accelnb import planning
-from accelnb.errors import LaunchConfigError
+from accelnb.errors import LaunchConfigError, LaunchFailed
 from accelnb.inventory import Inventory, read_inventory
 from accelnb.launch_result import LaunchResult
 from accelnb.metrics_history import MetricHistory
+from accelnb.metrics_view import LiveMetricsView
 from accelnb.output import OutputRouter, notebook_sink
 from accelnb.payload import pack_call
 from accelnb.ports import bind_rendezvous_socket
@@ -122,9 +123,11 @@ def launch(
     live = {0} if output == "rank0" else ({r.rank for r in the_plan.ranks} if output == "all" else set())
     router = OutputRouter(live_ranks=live, prefix=output == "all", sink=notebook_sink)
     history = MetricHistory()
+    view = LiveMetricsView(all_ranks=output == "all")
 
     def on_metrics(batch: Any) -> None:
         history.add(batch)
+        view.add(batch)
         if metric_sink is not None:
             metric_sink(batch)
 
@@ -136,8 +139,12 @@ def launch(
     try:
         pickled = group.call(payload, value_ranks, timeout)
         group.shutdown()
+    except LaunchFailed as failure:
+        failure.metrics = history  # what was reported before the failure is not lost
+        raise
     finally:
         group.close()
+        view.close()
     values = {rank: loads_in_kernel(data) for rank, data in pickled.items() if data is not None}
     return LaunchResult(values=values, plan=the_plan, seconds=time.perf_counter() - started,
                         metrics=history,

@@ -35,6 +35,7 @@ from accelnb.events import CallError, CallResult, Joined, MetricBatch, RunCall, 
 from accelnb.failures import RankFailure, build_exception, signal_failure
 from accelnb.output import OutputRouter
 from accelnb.planning import LaunchPlan
+from accelnb.stacks import clean_stack_dump
 from accelnb.worker import WorkerSpec
 from accelnb.zygote_client import WorkerHelper
 
@@ -285,6 +286,7 @@ class WorkerGroup:
     def _dump_stacks(self) -> dict[int, str]:
         """Have every live rank print its Python stacks (faulthandler on SIGUSR1)."""
         marks = {w.rank: self._retained(w.rank).position() for w in self.workers}
+        self.output.live_ranks.clear()  # the dump goes into the exception, not also the cell
         for worker in self.workers:
             if worker.alive:
                 _signal_pid(worker.pid, signal.SIGUSR1)
@@ -293,7 +295,7 @@ class WorkerGroup:
         scratch: list[RankFailure] = []
         while time.monotonic() < deadline:
             self._pump(0.05, ignored, scratch, None)
-        return {w.rank: self._retained(w.rank).since(marks[w.rank]) for w in self.workers}
+        return {w.rank: clean_stack_dump(self._retained(w.rank).since(marks[w.rank])) for w in self.workers}
 
     def _retained(self, rank: int) -> Any:
         from accelnb.output import RetainedOutput

@@ -1,0 +1,33 @@
+"""Making faulthandler's dumps readable: only the user's threads and frames.
+
+A worker's dump (on SIGUSR1 for timeouts, or on a segfault) lists accelnb's own helper threads
+and the frames that lead from the helper process into the user's function. Neither helps anyone
+find a hang, so they are dropped here; everything else is kept verbatim.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
+_OUR_THREADS = ("in flush_forever", "in read_forever")
+_THREAD_HEADER = re.compile(r"^(Thread 0x[0-9a-f]+|Current thread 0x[0-9a-f]+)")
+
+
+def clean_stack_dump(text: str) -> str:
+    """Drop accelnb's own threads and frames from a faulthandler dump."""
+    blocks: list[list[str]] = []
+    for line in text.splitlines():
+        if _THREAD_HEADER.match(line) or not blocks:
+            blocks.append([])
+        blocks[-1].append(line)
+    kept: list[str] = []
+    for block in blocks:
+        if any(marker in line for line in block for marker in _OUR_THREADS):
+            continue
+        for line in block:
+            if _PACKAGE_DIR in line or "<frozen runpy>" in line or line.startswith("Extension modules:"):
+                continue
+            kept.append(line)
+    return "\n".join(kept).strip("\n")
