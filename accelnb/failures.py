@@ -66,7 +66,7 @@ def _signal_name(number: int) -> str:
 
 def build_exception(failures: Sequence[RankFailure], stopped: Sequence[int],
                     show_output_of: set[int], timed_out_after: float | None = None,
-                    stacks: dict[int, str] | None = None) -> LaunchFailed:
+                    stacks: dict[int, str] | None = None, session_ended: bool = False) -> LaunchFailed:
     """The exception for a failed run, root cause first."""
     ordered = sorted(failures, key=lambda f: f.timestamp)
     lines: list[str] = []
@@ -96,6 +96,9 @@ def build_exception(failures: Sequence[RankFailure], stopped: Sequence[int],
                      (" (probably a consequence of the first failure)" if other.kind == "exception" else ""))
     if stopped:
         lines.append(f"Stopped by accelnb after the failure: rank {', '.join(map(str, sorted(stopped)))}.")
+    if session_ended:
+        lines.append("The persistent session was closed: not every rank could continue. "
+                     "Start a new one with %distributed start.")
     message = "\n".join(lines)
 
     if root.kind != "exception":

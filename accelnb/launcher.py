@@ -104,24 +104,51 @@ def launch(
 ) -> LaunchResult:
     """Like :func:`notebook_launcher`, but returns a :class:`LaunchResult` with every rank's value
     (``collect="all"``), the metric history and each rank's output."""
+    check_output_mode(output, timeout)
+    the_plan = planning.plan(gpus, num_processes, inventory=inventory or read_inventory(), cpu=cpu,
+                             backend=backend, mixed_precision=mixed_precision)
+    payload = pack_call(function, args, kwargs or {})
+    group = start_workers(the_plan, master_port, persistent=False, quiet=quiet)
+    try:
+        return run_on_group(group, payload, collect=collect, timeout=timeout, output=output,
+                            metric_sink=metric_sink)
+    finally:
+        group.close()
+
+
+def check_output_mode(output: str, timeout: float | None) -> None:
     if output not in ("rank0", "all", "none"):
         raise LaunchConfigError(f"output={output!r} must be 'rank0', 'all' or 'none'.")
     if timeout is not None and timeout <= 0:
         raise LaunchConfigError(f"timeout must be a positive number of seconds, got {timeout}.")
-    the_plan = planning.plan(gpus, num_processes, inventory=inventory or read_inventory(), cpu=cpu,
-                             backend=backend, mixed_precision=mixed_precision)
-    payload = pack_call(function, args, kwargs or {})
+
+
+def start_workers(the_plan: planning.LaunchPlan, master_port: int | None, *, persistent: bool,
+                  quiet: bool) -> WorkerGroup:
+    """Bind the rendezvous port and fork one worker per rank of ``the_plan``."""
     store_socket = bind_rendezvous_socket(master_port)
     the_plan = the_plan.with_port(store_socket.getsockname()[1])
-
-    started = time.perf_counter()
     try:
         helper = shared_helper()
     except BaseException:
         store_socket.close()
         raise
-    live = {0} if output == "rank0" else ({r.rank for r in the_plan.ranks} if output == "all" else set())
-    router = OutputRouter(live_ranks=live, prefix=output == "all", sink=notebook_sink)
+    router = OutputRouter(live_ranks={0}, prefix=False, sink=notebook_sink)
+    group = WorkerGroup(the_plan, helper, router, persistent=persistent)
+    group.start(worker_specs(the_plan, persistent), store_socket)
+    if not quiet:
+        notebook_sink("stdout", describe_start(the_plan, [w.pid for w in group.workers]) + "\n")
+    return group
+
+
+def run_on_group(group: WorkerGroup, payload: bytes, *, collect: Literal["rank0", "all"],
+                 timeout: float | None, output: OutputMode,
+                 metric_sink: Callable[[Any], None] | None = None) -> LaunchResult:
+    """Run one packed call on every worker of ``group`` and gather what came back."""
+    ranks = [r.rank for r in group.plan.ranks]
+    group.output.live_ranks = {0} if output == "rank0" else (set(ranks) if output == "all" else set())
+    group.output.prefix = output == "all"
+    marks = {rank: group.output.position(rank) for rank in ranks}
     history = MetricHistory()
     view = LiveMetricsView(all_ranks=output == "all")
 
@@ -131,24 +158,22 @@ def launch(
         if metric_sink is not None:
             metric_sink(batch)
 
-    group = WorkerGroup(the_plan, helper, router, on_metrics)
-    group.start(worker_specs(the_plan), store_socket)
-    if not quiet:
-        notebook_sink("stdout", describe_start(the_plan, [w.pid for w in group.workers]) + "\n")
-    value_ranks = {0} if collect == "rank0" else {r.rank for r in the_plan.ranks}
+    group.metric_sink = on_metrics
+    started = time.perf_counter()
     try:
-        pickled = group.call(payload, value_ranks, timeout)
-        group.shutdown()
+        pickled = group.call(payload, {0} if collect == "rank0" else set(ranks), timeout)
+        if not group.persistent:
+            group.shutdown()
     except LaunchFailed as failure:
         failure.metrics = history  # what was reported before the failure is not lost
         raise
     finally:
-        group.close()
+        group.output.tick(force=True)
         view.close()
     values = {rank: loads_in_kernel(data) for rank, data in pickled.items() if data is not None}
-    return LaunchResult(values=values, plan=the_plan, seconds=time.perf_counter() - started,
+    return LaunchResult(values=values, plan=group.plan, seconds=time.perf_counter() - started,
                         metrics=history,
-                        outputs={rank: kept.text() for rank, kept in router.retained.items()})
+                        outputs={rank: group.output.text_since(rank, marks[rank]) for rank in ranks})
 
 
 def worker_specs(the_plan: planning.LaunchPlan, persistent: bool = False) -> list[WorkerSpec]:

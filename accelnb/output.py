@@ -68,7 +68,6 @@ class RetainedOutput:
         self._size = 0
         self._limit = limit
         self.dropped_chars = 0
-        self.marks: list[int] = []
 
     def append(self, text: str) -> None:
         self._chunks.append(text)
@@ -139,6 +138,14 @@ class OutputRouter:
     def tail(self, rank: int, lines: int = 30) -> str:
         retained = self.retained.get(rank)
         return retained.tail(lines) if retained else ""
+
+    def position(self, rank: int) -> int:
+        retained = self.retained.get(rank)
+        return retained.position() if retained else 0
+
+    def text_since(self, rank: int, position: int) -> str:
+        retained = self.retained.get(rank)
+        return retained.since(position) if retained else ""
 
     def _draw(self, rank: int, stream: Stream, state: _StreamState) -> None:
         text = collapse_carriage_returns("".join(state.pending))

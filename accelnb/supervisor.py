@@ -42,6 +42,7 @@ from accelnb.zygote_client import WorkerHelper
 PIPE_SIZE = 1 << 20  # bigger pipes: fewer wake-ups for floods and large results
 FAILURE_GRACE_S = 3.0
 INTERRUPT_GRACE_S = 1.5
+ANSWER_WAIT_S = 1.0  # persistent sessions: how long the other ranks get to answer after a failure
 STACK_DUMP_WAIT_S = 1.0
 F_SETPIPE_SZ = 1031
 
@@ -78,8 +79,9 @@ class WorkerGroup:
     """The live workers of one plan."""
 
     def __init__(self, plan: LaunchPlan, helper: WorkerHelper, output: OutputRouter,
-                 metric_sink: MetricSink | None = None) -> None:
+                 metric_sink: MetricSink | None = None, persistent: bool = False) -> None:
         self.plan = plan
+        self.persistent = persistent
         self.helper = helper
         self.output = output
         self.metric_sink = metric_sink
@@ -136,7 +138,9 @@ class WorkerGroup:
     def call(self, payload: bytes, value_ranks: set[int], timeout: float | None) -> dict[int, Any]:
         """Run one cloudpickled call on every rank; returns {rank: pickled value or None}.
 
-        Raises the run's failure (after stopping every worker), or KeyboardInterrupt.
+        Raises the run's failure, or KeyboardInterrupt. Afterwards :attr:`usable` says whether
+        the workers are still there for another call (persistent sessions): they are when every
+        rank answered, even with an exception; otherwise every worker has been stopped.
         """
         self._call_ids += 1
         call_id = self._call_ids
@@ -153,11 +157,15 @@ class WorkerGroup:
             while True:
                 self._pump(0.05, results, failures, call_id)
                 if failures:
+                    if self.persistent and self._all_answer(results, failures, ANSWER_WAIT_S):
+                        raise build_exception(failures, (), self.output.live_ranks)
                     stopped = self.stop(FAILURE_GRACE_S, failures)
-                    raise build_exception(failures, stopped, self.output.live_ranks)
+                    raise build_exception(failures, stopped, self.output.live_ranks,
+                                          session_ended=self.persistent)
                 if len(results) == len(self.workers):
                     return results
                 if self.run is not None and self.run.stop_requested.is_set():
+                    self.run.stop_requested.clear()
                     raise StopRequested()
                 if deadline is not None and time.monotonic() > deadline:
                     stacks = self._dump_stacks()
@@ -166,18 +174,39 @@ class WorkerGroup:
                                           timed_out_after=timeout, stacks=stacks)
                 run_state.run_wait_hooks()
         except (KeyboardInterrupt, StopRequested):
+            if self.persistent and self._interrupt_call(results, failures):
+                raise KeyboardInterrupt(
+                    "accelnb interrupted the cell on every rank; the session and its variables "
+                    "are kept.") from None
             self._stop_after_interrupt()
             raise KeyboardInterrupt(
-                "accelnb stopped the run: every worker was ended on the interrupt.") from None
+                "accelnb stopped the run: every worker was ended on the interrupt"
+                + (" (a rank did not respond to the interrupt, so the session was closed)."
+                   if self.persistent else ".")) from None
 
-    def _stop_after_interrupt(self) -> None:
-        grace = INTERRUPT_GRACE_S
-        while True:
-            try:
-                self.stop(grace, [])
-                return
-            except KeyboardInterrupt:
-                grace = 0.0  # interrupted again: no more patience, kill now
+    @property
+    def usable(self) -> bool:
+        return not self.closed and all(w.alive for w in self.workers)
+
+    def _all_answer(self, results: dict[int, Any], failures: list[RankFailure], wait: float) -> bool:
+        """Wait up to ``wait`` s for every rank to answer the current call."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline:
+            answered = set(results) | {f.rank for f in failures}
+            if len(answered) == len(self.workers):
+                return all(w.alive for w in self.workers)
+            self._pump(0.02, results, failures, self._call_ids)
+        return False
+
+    def _interrupt_call(self, results: dict[int, Any], failures: list[RankFailure]) -> bool:
+        """SIGINT the ranks still working; True when all stopped their code and live on."""
+        for worker in self.workers:
+            if worker.alive and worker.rank not in results:
+                _signal_pid(worker.pid, signal.SIGINT)
+        try:
+            return self._all_answer(results, failures, INTERRUPT_GRACE_S)
+        except KeyboardInterrupt:
+            return False
 
     # ── the selector loop ───────────────────────────────────────────────────────────────────
     def _pump(self, timeout: float, results: dict[int, Any], failures: list[RankFailure],

@@ -85,15 +85,19 @@ def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int |
 
     exit_code = 0
     while True:
-        command = commands.get()
+        try:
+            command = commands.get()
+        except KeyboardInterrupt:
+            continue  # an interrupt meant for a call that had already finished here
         if command is None or isinstance(command, Shutdown):
             break
         assert isinstance(command, RunCall)
-        if not _run_call(spec.rank, command, events):
-            exit_code = 1
-            break
+        succeeded = _run_call(spec.rank, command, events)
         if not spec.persistent:
+            exit_code = 0 if succeeded else 1
             break
+        # A persistent session survives an exception in a cell; the kernel decides whether
+        # the group is still usable (every rank answered) or must be torn down.
     if exit_code == 0 and dist.is_initialized():
         dist.destroy_process_group()
     metrics_worker.flush()

@@ -1,0 +1,53 @@
+"""Reading a ``%%distributed`` cell's source: which notebook names it uses, which it assigns.
+
+Pure functions over the AST, so they are cheap and testable without a kernel::
+
+    >>> used_names("model.fit(data)\\nresult = model.score")
+    {'model', 'data'}
+    >>> assigned_names("import os\\nx = 1\\nfor i in range(3): y = i\\ndef f(): z = 2")
+    ['x', 'i', 'y', 'f']
+"""
+
+from __future__ import annotations
+
+import ast
+
+
+def used_names(source: str) -> set[str]:
+    """Every name the cell reads anywhere, functions and comprehensions included."""
+    tree = ast.parse(source)
+    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+
+
+def assigned_names(source: str) -> list[str]:
+    """Names bound at the cell's top level, in order, excluding imports (modules stay home)."""
+    tree = ast.parse(source)
+    names: dict[str, None] = {}
+    for statement in tree.body:
+        for name in _bound_by(statement):
+            names.setdefault(name)
+    return list(names)
+
+
+def _bound_by(statement: ast.stmt) -> list[str]:
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [statement.name]
+    if isinstance(statement, (ast.Import, ast.ImportFrom)):
+        return []
+    names: list[str] = []
+    nested_scopes = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda,
+                     ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
+    stack: list[ast.AST] = [statement]
+    while stack:
+        node = stack.pop(0)
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.append(node.id)
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node is not statement:
+            names.append(node.name)
+            continue
+        if isinstance(node, nested_scopes) and node is not statement:
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        stack.extend(ast.iter_child_nodes(node))
+    return names

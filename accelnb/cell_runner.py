@@ -1,0 +1,82 @@
+"""The worker half of ``%%distributed``: execute a notebook cell's source on one rank.
+
+The kernel sends a :class:`CellRequest` (source, the notebook names the cell uses, modules to
+import); every rank executes it in a namespace that lives as long as the worker (so a persistent
+session keeps variables between cells), with ``rank``, ``local_rank``, ``world_size`` and
+``device`` predefined. The source is registered with ``linecache`` under the cell's own file
+name, so tracebacks show the cell's line numbers and lines. Rank 0 sends back the value of the
+last expression and the names the cell assigned (tensors on the CPU).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import linecache
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from accelnb.result_pickling import dumps_for_kernel
+
+_namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+
+
+@dataclass(frozen=True)
+class CellRequest:
+    source: str
+    filename: str  # "<distributed-cell-3>", shown in tracebacks
+    names: dict[str, Any]  # notebook values the cell uses
+    modules: dict[str, str]  # name → module to import, for notebook names that are modules
+    return_names: list[str] | None  # None: every assigned name; []: none
+
+
+@dataclass
+class CellOutcome:
+    last_value: bytes | None = None  # pickled for the kernel
+    last_value_repr: str | None = None  # when the value does not pickle
+    returned: dict[str, bytes] = field(default_factory=dict)
+    not_returned: dict[str, str] = field(default_factory=dict)  # name → why
+
+
+def run_cell(request: CellRequest) -> CellOutcome | None:
+    """Execute the cell on this rank; rank 0 returns what goes back to the notebook."""
+    import torch
+
+    namespace = _namespace
+    for name, module in request.modules.items():
+        namespace[name] = importlib.import_module(module)
+    namespace.update(request.names)
+    rank = int(os.environ["RANK"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    uses_cuda = torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "") != ""
+    namespace.update(rank=rank, local_rank=local_rank, world_size=int(os.environ["WORLD_SIZE"]),
+                     device=torch.device(f"cuda:{local_rank}" if uses_cuda else "cpu"))
+
+    lines = request.source.splitlines(keepends=True)
+    linecache.cache[request.filename] = (len(request.source), None, lines, request.filename)
+    tree = ast.parse(request.source, request.filename)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, request.filename, "exec"), namespace)
+    value = eval(compile(ast.Expression(last.value), request.filename, "eval"), namespace) if last else None
+    if rank != 0:
+        return None
+
+    outcome = CellOutcome()
+    if value is not None:
+        try:
+            outcome.last_value = dumps_for_kernel(value)
+        except Exception:
+            outcome.last_value_repr = repr(value)
+    from accelnb.cell_analysis import assigned_names
+
+    wanted = assigned_names(request.source) if request.return_names is None else request.return_names
+    for name in wanted:
+        if name not in namespace:
+            outcome.not_returned[name] = "not defined on rank 0"
+            continue
+        try:
+            outcome.returned[name] = dumps_for_kernel(namespace[name])
+        except Exception as error:
+            outcome.not_returned[name] = f"{type(namespace[name]).__name__} cannot be pickled ({error})"
+    return outcome

@@ -1,0 +1,99 @@
+"""Persistent sessions: workers that stay alive across cells, process group joined.
+
+A one-shot launch forks workers, runs, and tears everything down. A session keeps the workers,
+so the next call costs a pipe round trip instead of a launch, and each rank keeps its variables
+(a model built in one ``%%distributed`` cell is trained in the next).
+
+    >>> session = Session.start(num_processes=2)                  # doctest: +SKIP
+    >>> session.run(lambda: torch.distributed.get_rank()).values  # doctest: +SKIP
+    {0: 0, 1: 1}
+    >>> session.stop()                                            # doctest: +SKIP
+
+An exception that every rank reports leaves the session usable; a rank that dies, or one that
+does not respond to an interrupt (stuck in a collective), ends it with the root cause shown.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Literal
+
+import psutil
+
+from accelnb import planning
+from accelnb.errors import LaunchConfigError
+from accelnb.inventory import Inventory, read_inventory
+from accelnb.launch_result import LaunchResult
+from accelnb.launcher import OutputMode, check_output_mode, run_on_group, start_workers
+from accelnb.payload import pack_call
+from accelnb.supervisor import WorkerGroup
+
+
+class Session:
+    """Workers kept alive between calls. Create with :meth:`Session.start`."""
+
+    def __init__(self, group: WorkerGroup) -> None:
+        self._group = group
+
+    @classmethod
+    def start(
+        cls,
+        gpus: planning.GpuSpec = None,
+        num_processes: int | None = None,
+        *,
+        cpu: bool = False,
+        backend: str | None = None,
+        master_port: int | None = None,
+        mixed_precision: str | None = None,
+        quiet: bool = False,
+        inventory: Inventory | None = None,
+    ) -> Session:
+        the_plan = planning.plan(gpus, num_processes, inventory=inventory or read_inventory(), cpu=cpu,
+                                 backend=backend, mixed_precision=mixed_precision)
+        return cls(start_workers(the_plan, master_port, persistent=True, quiet=quiet))
+
+    @property
+    def plan(self) -> planning.LaunchPlan:
+        return self._group.plan
+
+    @property
+    def alive(self) -> bool:
+        return self._group.usable
+
+    def run(
+        self,
+        function: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+        *,
+        timeout: float | None = None,
+        output: OutputMode = "rank0",
+        collect: Literal["rank0", "all"] = "all",
+    ) -> LaunchResult:
+        """Run ``function`` on every rank of the session (see :func:`accelnb.launch`)."""
+        if not self.alive:
+            raise LaunchConfigError("This session has ended. Start a new one with Session.start() "
+                                    "or %distributed start.")
+        check_output_mode(output, timeout)
+        payload = pack_call(function, args, kwargs or {})
+        try:
+            return run_on_group(self._group, payload, collect=collect, timeout=timeout, output=output)
+        finally:
+            if not self._group.usable:
+                self._group.close()
+
+    def stop(self) -> None:
+        """End every worker and free their resources."""
+        self._group.shutdown()
+
+    def status(self) -> str:
+        """Ranks, devices, pids and memory, as ``%distributed status`` shows them."""
+        lines = [f"accelnb session: {len(self.plan.ranks)} rank(s), backend {self.plan.backend}, "
+                 f"{'running' if self.alive else 'ended'}"]
+        for worker, spec in zip(self._group.workers, self.plan.ranks, strict=True):
+            try:
+                rss = f"{psutil.Process(worker.pid).memory_info().rss / 2**20:.0f} MiB"
+            except psutil.Error:
+                rss = "gone"
+            lines.append(f"  {spec.describe(self.plan.simulated_gpus)}  pid {worker.pid}  memory {rss}")
+        return "\n".join(lines)
