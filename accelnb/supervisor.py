@@ -184,6 +184,15 @@ class WorkerGroup:
                 + (" (a rank did not respond to the interrupt, so the session was closed)."
                    if self.persistent else ".")) from None
 
+    def _stop_after_interrupt(self) -> None:
+        grace = INTERRUPT_GRACE_S
+        while True:
+            try:
+                self.stop(grace, [])
+                return
+            except KeyboardInterrupt:
+                grace = 0.0  # interrupted again: no more patience, kill now
+
     @property
     def usable(self) -> bool:
         return not self.closed and all(w.alive for w in self.workers)

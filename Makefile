@@ -1,0 +1,27 @@
+# The two commands of the README: `make demo` (a real distributed run) and `make test`.
+# Each first runs scripts/setup, which is idempotent and fast once done.
+PY := .venv/bin/python
+
+.PHONY: setup demo test lint typecheck soak bench
+
+setup:
+	@bash scripts/setup
+
+demo: setup
+	$(PY) -m accelnb.demo
+
+lint: setup
+	.venv/bin/ruff check accelnb tests benchmarks
+
+typecheck: setup
+	.venv/bin/mypy
+
+test: setup lint typecheck
+	$(PY) -m pytest -q
+
+soak: setup
+	$(PY) -m pytest -q -m slow tests/soak -s
+
+bench: setup
+	$(PY) -m pip install -q ".[bench]"
+	$(PY) benchmarks/run_all.py

@@ -1,0 +1,67 @@
+"""Shared fixtures: leftover-process checks and a real Jupyter kernel runner."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import nbclient
+import nbformat
+import psutil
+import pytest
+
+from accelnb import zygote_client
+
+
+def worker_processes() -> list[psutil.Process]:
+    """Every live process below this process's worker helper (the workers and their children)."""
+    helper = zygote_client._shared
+    if helper is None or not helper.alive:
+        return []
+    try:
+        return [p for p in psutil.Process(helper.pid).children(recursive=True) if p.status() != "zombie"]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def wait_until_no_workers(bound_s: float) -> float:
+    """Seconds until no worker remains; fails the test past ``bound_s``."""
+    start = time.monotonic()
+    while worker_processes():
+        if time.monotonic() - start > bound_s:
+            raise AssertionError(f"workers still alive after {bound_s} s: {worker_processes()}")
+        time.sleep(0.05)
+    return time.monotonic() - start
+
+
+@pytest.fixture
+def no_leftovers() -> Iterator[None]:
+    """After the test: no worker process is left (asserted by pid, not by message)."""
+    yield
+    wait_until_no_workers(5.0)
+
+
+def run_notebook(cells: list[str], timeout: int = 180, env: dict[str, str] | None = None) -> list[Any]:
+    """Execute ``cells`` in a fresh real kernel; returns each cell's outputs."""
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    old = {k: os.environ.get(k) for k in (env or {})}
+    os.environ.update(env or {})
+    try:
+        nbclient.NotebookClient(nb, kernel_name="python3", timeout=timeout, allow_errors=True).execute()
+    finally:
+        for key, value in old.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return [cell.outputs for cell in nb.cells]
+
+
+def stream_text(outputs: list[Any], name: str = "stdout") -> str:
+    return "".join(o["text"] for o in outputs if o["output_type"] == "stream" and o["name"] == name)
+
+
+def error_of(outputs: list[Any]) -> Any | None:
+    return next((o for o in outputs if o["output_type"] == "error"), None)

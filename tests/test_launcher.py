@@ -1,0 +1,273 @@
+"""The core engine with real worker processes and real torch.distributed (gloo, 2 CPU ranks)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+
+import pytest
+import torch
+
+from accelnb import (
+    LaunchTimeout,
+    PortInUseError,
+    RankCrashed,
+    RankFailed,
+    UnpicklableError,
+    launch,
+    notebook_launcher,
+    synthetic_inventory,
+)
+from accelnb.errors import LaunchConfigError
+from tests.conftest import wait_until_no_workers, worker_processes
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+def all_reduce_rank_plus_one() -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(dist.get_rank() + 1)])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def test_all_reduce_and_every_ranks_return_value() -> None:
+    result = launch(all_reduce_rank_plus_one, num_processes=2, quiet=True)
+    assert result.values == {0: 3.0, 1: 3.0}
+    assert notebook_launcher(all_reduce_rank_plus_one, num_processes=2, quiet=True) == 3.0
+
+
+def test_workers_get_the_planned_environment_and_device_mapping() -> None:
+    def environment() -> dict[str, str]:
+        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "CUDA_DEVICE_ORDER", "CUDA_VISIBLE_DEVICES")
+        return {k: os.environ[k] for k in keys}
+
+    result = launch(environment, gpus="3,5", inventory=synthetic_inventory(8), quiet=True)
+    port = str(result.plan.master_port)
+    for rank in (0, 1):
+        assert result.values[rank] == {
+            "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port, "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
+            "CUDA_VISIBLE_DEVICES": "3,5"}
+
+
+def test_closures_lambdas_and_local_classes_travel() -> None:
+    offset = 10
+
+    class Box:
+        def __init__(self, value: int) -> None:
+            self.value = value
+
+    def make_box(scale: int) -> Box:
+        import torch.distributed as dist
+
+        return Box(dist.get_rank() * scale + offset)
+
+    boxes = launch(make_box, args=(100,), num_processes=2, quiet=True).values
+    assert (boxes[0].value, boxes[1].value) == (10, 110)
+    assert notebook_launcher(lambda: "λ", num_processes=2, quiet=True) == "λ"
+
+
+def test_tensors_and_modules_come_back_on_the_cpu() -> None:
+    def build() -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Linear(3, 2)
+
+    module = notebook_launcher(build, num_processes=2, quiet=True)
+    assert isinstance(module, torch.nn.Linear) and module.weight.device.type == "cpu"
+    assert isinstance(module.weight, torch.nn.Parameter)
+
+
+def test_an_unpicklable_argument_is_named_before_anything_starts() -> None:
+    helper_children_before = len(worker_processes())
+    with pytest.raises(UnpicklableError, match=r"Argument 1 \(args\[1\]\) of type _thread.lock"):
+        launch(print, args=(1, threading.Lock()), num_processes=2, quiet=True)
+    with pytest.raises(UnpicklableError, match=r"Keyword argument 'lock'"):
+        launch(print, kwargs={"lock": threading.Lock()}, num_processes=2, quiet=True)
+    assert len(worker_processes()) == helper_children_before == 0
+
+
+def test_a_global_the_function_uses_that_cannot_pickle_is_named() -> None:
+    lock = threading.Lock()
+
+    def uses_lock() -> bool:
+        return lock.locked()
+
+    with pytest.raises(UnpicklableError, match="The name 'lock', which uses_lock uses"):
+        launch(uses_lock, num_processes=2, quiet=True)
+
+
+def test_bad_input_is_refused_before_start() -> None:
+    with pytest.raises(LaunchConfigError, match="must be callable"):
+        launch(42, num_processes=2)  # type: ignore[arg-type]
+    with pytest.raises(LaunchConfigError, match="timeout must be a positive"):
+        launch(print, num_processes=2, timeout=0)
+    with pytest.raises(LaunchConfigError, match="output='everything' must be"):
+        launch(print, num_processes=2, output="everything")  # type: ignore[arg-type]
+
+
+def test_a_taken_master_port_is_a_clear_error_not_a_hang() -> None:
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    port = squatter.getsockname()[1]
+    try:
+        with pytest.raises(PortInUseError, match=f"master_port={port} is already in use"):
+            launch(print, num_processes=2, master_port=port, quiet=True)
+    finally:
+        squatter.close()
+    assert launch(all_reduce_rank_plus_one, num_processes=2, master_port=port, quiet=True).values[0] == 3.0
+
+
+def fail_on_rank_1() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise KeyError("missing-key-on-rank-1")
+    dist.barrier()
+
+
+def test_an_exception_on_rank_1_keeps_its_type_and_traceback_and_stops_everyone() -> None:
+    started = time.monotonic()
+    with pytest.raises(KeyError) as info:
+        launch(fail_on_rank_1, num_processes=2, quiet=True)
+    error = info.value
+    assert isinstance(error, RankFailed)
+    message = str(error)
+    assert message.startswith("Rank 1 failed: KeyError: 'missing-key-on-rank-1'")
+    assert 'raise KeyError("missing-key-on-rank-1")' in message
+    assert "worker.py" not in message and "zygote.py" not in message
+    assert error.root_cause is not None and error.root_cause.rank == 1
+    wait_until_no_workers(5.0)
+    assert time.monotonic() - started < 10
+
+
+def test_a_segfault_is_reported_with_the_signal_name() -> None:
+    def crash() -> None:
+        import ctypes
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 1:
+            ctypes.string_at(0)
+        dist.barrier()
+
+    with pytest.raises(RankCrashed, match="Rank 1 failed: killed by SIGSEGV") as info:
+        launch(crash, num_processes=2, quiet=True)
+    assert "in crash" in str(info.value)  # faulthandler's Python stack of the crash
+
+
+def test_os_exit_is_reported_with_its_code() -> None:
+    def leave() -> None:
+        os._exit(3)
+
+    with pytest.raises(RankCrashed, match="exited with code 3"):
+        launch(leave, num_processes=2, quiet=True)
+
+
+def test_timeout_shows_every_ranks_stack_then_stops_all() -> None:
+    def hang_in_collective() -> None:
+        import time
+
+        import torch.distributed as dist
+
+        if dist.get_rank() == 0:
+            time.sleep(60)
+        dist.barrier()
+
+    started = time.monotonic()
+    with pytest.raises(LaunchTimeout) as info:
+        launch(hang_in_collective, num_processes=2, timeout=2, quiet=True)
+    message = str(info.value)
+    assert "── rank 0 ──" in message and "── rank 1 ──" in message
+    assert "in hang_in_collective" in message and "in barrier" in message
+    assert "accelnb/worker.py" not in message
+    assert time.monotonic() - started < 2 + 5
+    wait_until_no_workers(5.0)
+
+
+def test_interrupt_stops_every_worker_within_3_seconds() -> None:
+    def sleep_long() -> None:
+        time.sleep(60)
+
+    launch(all_reduce_rank_plus_one, num_processes=2, quiet=True)  # helper already warm
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        launch(sleep_long, num_processes=2, quiet=True)
+    assert wait_until_no_workers(3.0) < 3.0
+    assert launch(all_reduce_rank_plus_one, num_processes=2, quiet=True).values[0] == 3.0
+
+
+def test_rank0_output_is_streamed_other_ranks_kept(capfd: pytest.CaptureFixture[str]) -> None:
+    def talk() -> None:
+        import torch.distributed as dist
+
+        rank = dist.get_rank()
+        print(f"python print from rank {rank}")
+        os.write(1, f"fd-level write from rank {rank}\n".encode())
+        os.system(f"echo child process output from rank {rank}")  # a C-level child writes to fd 1
+
+    result = launch(talk, num_processes=2, quiet=True)
+    shown = capfd.readouterr().out
+    for line in ("python print from rank 0", "fd-level write from rank 0", "child process output from rank 0"):
+        assert line in shown
+    assert "rank 1" not in shown
+    assert "child process output from rank 1" in result.output(1)
+
+
+def test_output_all_prefixes_every_rank(capfd: pytest.CaptureFixture[str]) -> None:
+    launch(lambda: print("hello"), num_processes=2, quiet=True, output="all")
+    shown = capfd.readouterr().out
+    assert "[rank 0] hello" in shown and "[rank 1] hello" in shown
+
+
+def test_tqdm_progress_collapses_to_its_latest_state(capfd: pytest.CaptureFixture[str]) -> None:
+    def progress() -> None:
+        import sys
+
+        from tqdm import tqdm
+
+        for _ in tqdm(range(2000), file=sys.stdout, mininterval=0, miniters=1):
+            pass
+
+    launch(progress, num_processes=2, quiet=True)
+    shown = capfd.readouterr().out
+    assert "2000/2000" in shown
+    assert shown.count("\r") < 200  # 2000 updates arrive as a handful of redraws
+
+
+def test_accelerator_inside_the_function_sees_the_distributed_setup() -> None:
+    def accelerator_view() -> tuple[str, int, int, str]:
+        from accelerate import Accelerator
+
+        accelerator = Accelerator()
+        return (str(accelerator.distributed_type), accelerator.num_processes,
+                accelerator.process_index, accelerator.mixed_precision)
+
+    values = launch(accelerator_view, num_processes=2, quiet=True, mixed_precision="bf16").values
+    assert values == {0: ("DistributedType.MULTI_CPU", 2, 0, "bf16"),
+                      1: ("DistributedType.MULTI_CPU", 2, 1, "bf16")}
+
+
+def test_the_rendezvous_port_is_free_after_the_run() -> None:
+    result = launch(all_reduce_rank_plus_one, num_processes=2, quiet=True)
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", result.plan.master_port))  # would raise if anyone still listened
+    probe.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_initialised_in_the_kernel_does_not_break_launches() -> None:
+    torch.zeros(1).cuda()  # what breaks every fork-the-kernel launcher
+
+    def where() -> tuple[str, int]:
+        return str(torch.zeros(1).cuda().device), torch.cuda.device_count()
+
+    assert notebook_launcher(where, gpus="0", quiet=True) == ("cuda:0", 1)
