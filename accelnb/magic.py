@@ -48,7 +48,6 @@ class DistributedMagics(Magics):
         self.session: Session | None = None
         self._session_line = ""
         self._names_on_ranks: set[str] = set()  # assigned by earlier cells of the session
-        self._cells = 0
 
     @magic_arguments()
     @argument("command", nargs="?", default=None,
@@ -90,12 +89,12 @@ class DistributedMagics(Magics):
 
     # ── cells ───────────────────────────────────────────────────────────────────────────────
     def _run_cell(self, args: Any, source: str) -> Any:
-        self._cells += 1
         in_session = self.session is not None and self.session.alive
         if in_session and _chooses_devices(args):
             raise UsageError("A persistent session is running; its devices are fixed. Drop --gpus/--procs, "
                              "or `%distributed stop` first.")
-        request = CellRequest(source=source, filename=f"<distributed-cell-{self._cells}>",
+        # IPython has already counted this cell when magics run: the prompt shows one less.
+        request = CellRequest(source=source, filename=f"<cell In[{self.shell.execution_count - 1}]>",
                               names={}, modules={}, return_names=_parse_return(args.return_names))
         request.names.update(self._ship(source, skip=self._names_on_ranks if in_session else set()))
         request.modules.update(self._modules(source))
