@@ -24,8 +24,9 @@ _namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins
 
 @dataclass(frozen=True)
 class CellRequest:
-    source: str
-    filename: str  # "<distributed-cell-3>", shown in tracebacks
+    source: str  # the cell body, without the %%distributed line
+    filename: str  # "<cell In[3]>", shown in tracebacks
+    header: str  # the %%distributed line: line 1 of the cell as the notebook shows it
     names: dict[str, Any]  # notebook values the cell uses
     modules: dict[str, str]  # name → module to import, for notebook names that are modules
     return_names: list[str] | None  # None: every assigned name; []: none
@@ -53,9 +54,11 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
     namespace.update(rank=rank, local_rank=local_rank, world_size=int(os.environ["WORLD_SIZE"]),
                      device=torch.device(f"cuda:{local_rank}" if uses_cuda else "cpu"))
 
-    lines = request.source.splitlines(keepends=True)
-    linecache.cache[request.filename] = (len(request.source), None, lines, request.filename)
-    tree = ast.parse(request.source, request.filename)
+    # Line numbers count from the magic line, as the notebook shows the cell.
+    padded = "\n" + request.source
+    lines = [request.header + "\n", *request.source.splitlines(keepends=True)]
+    linecache.cache[request.filename] = (len(padded), None, lines, request.filename)
+    tree = ast.parse(padded, request.filename)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     exec(compile(tree, request.filename, "exec"), namespace)
     value = eval(compile(ast.Expression(last.value), request.filename, "eval"), namespace) if last else None

@@ -85,17 +85,18 @@ class DistributedMagics(Magics):
             return self._line_command(args, line)
         if args.command is not None:
             raise UsageError(f"Unexpected {args.command!r} on the %%distributed line; options start with --.")
-        return self._run_cell(args, cell)
+        return self._run_cell(args, cell, header=f"%%distributed {line}".rstrip())
 
     # ── cells ───────────────────────────────────────────────────────────────────────────────
-    def _run_cell(self, args: Any, source: str) -> Any:
+    def _run_cell(self, args: Any, source: str, header: str) -> Any:
         in_session = self.session is not None and self.session.alive
         if in_session and _chooses_devices(args):
             raise UsageError("A persistent session is running; its devices are fixed. Drop --gpus/--procs, "
                              "or `%distributed stop` first.")
         # IPython has already counted this cell when magics run: the prompt shows one less.
         request = CellRequest(source=source, filename=f"<cell In[{self.shell.execution_count - 1}]>",
-                              names={}, modules={}, return_names=_parse_return(args.return_names))
+                              header=header, names={}, modules={},
+                              return_names=_parse_return(args.return_names))
         request.names.update(self._ship(source, skip=self._names_on_ranks if in_session else set()))
         request.modules.update(self._modules(source))
         try:
