@@ -1,0 +1,70 @@
+/**
+ * The messages of the `accelnb.gpus` comm, as the kernel side (`accelnb/lab_bridge.py`)
+ * defines them. That module's docstring is the reference; these types mirror it.
+ */
+
+/** The comm target the kernel registers when `%load_ext accelnb` runs. */
+export const COMM_TARGET = 'accelnb.gpus';
+
+export interface IGpu {
+  index: number;
+  name: string;
+  uuid: string;
+  pci_bus_id: string;
+  memory_total: number; // bytes
+  memory_used: number; // bytes
+  utilization: number | null; // percent
+  visible: boolean; // usable under the kernel's CUDA_VISIBLE_DEVICES
+  processes: { pid: number; memory_used: number | null }[];
+}
+
+export interface IInventory {
+  gpus: IGpu[];
+  synthetic: boolean;
+  source: string;
+  note: string;
+}
+
+export interface ISelection {
+  gpus: number[] | null;
+  num_processes: number | null;
+  magic_line: string;
+}
+
+export type RankPhase = 'starting' | 'running' | 'done' | 'failed' | 'stopped';
+
+export interface IRank {
+  rank: number;
+  device: string;
+  phase: RankPhase;
+  pid: number | null;
+  detail: string;
+}
+
+export interface IRun {
+  run_id: number;
+  finished: boolean;
+  ranks: IRank[];
+}
+
+/** Kernel → panel. */
+export interface IStateMessage {
+  type: 'state';
+  inventory: IInventory;
+  selection: ISelection; // gpus and num_processes both null: nothing chosen yet
+  run: IRun | null;
+}
+
+export interface IErrorMessage {
+  type: 'error';
+  message: string;
+}
+
+export type KernelMessage = IStateMessage | IErrorMessage;
+
+/** Panel → kernel. */
+export type PanelMessage =
+  | { type: 'select'; gpus: number[] }
+  | { type: 'select'; num_processes: number }
+  | { type: 'refresh' }
+  | { type: 'stop' };

@@ -1,0 +1,96 @@
+"""The GPUs side panel in a real JupyterLab and a real Chromium, with 4 synthetic GPUs.
+
+Run with ``pytest -m browser tests/browser``. Screenshots: ``test-artifacts/gpu-panel*.png``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from conftest import ARTIFACTS, SYNTHETIC_GPUS, LabServer
+from lab_page import LabPage, gpu_checkbox
+from playwright.sync_api import Page, expect
+
+pytestmark = pytest.mark.browser
+
+LOAD_ACCELNB = "%load_ext accelnb"
+
+
+def test_panel_lists_gpus_and_selects_for_the_notebook(page: Page, lab_server: LabServer) -> None:
+    path = lab_server.create_notebook("panel.ipynb", [
+        LOAD_ACCELNB,
+        "from accelnb.selection import current_selection; print(current_selection())",
+    ])
+    lab = LabPage(page)
+    lab.open_notebook(lab_server.notebook_url(path, "panel"))
+    panel = lab.open_gpu_panel()
+
+    # Before accelnb is loaded the panel says what to do...
+    expect(panel.locator(".accelnb-GpuPanel-status")).to_contain_text("%load_ext accelnb")
+    # ...and fills in once the user does it, without a reload.
+    lab.run_cell(0)
+    expect(panel.locator("tr[data-gpu]")).to_have_count(SYNTHETIC_GPUS)
+    expect(panel.locator(".accelnb-GpuPanel-synthetic")).to_contain_text("no real GPUs")
+    expect(panel.locator(".accelnb-GpuPanel-magic")).to_have_text("%%distributed")
+    expect(panel.locator('tr[data-gpu="1"]')).to_contain_text(re.compile(r"/ 80 GiB.*util 13%.*GPU-0000"))
+
+    gpu_checkbox(panel, 1).check()
+    gpu_checkbox(panel, 3).check()
+    expect(panel.locator(".accelnb-GpuPanel-magic")).to_have_text("%%distributed --gpus 1,3")
+    expect(gpu_checkbox(panel, 1)).to_be_checked()
+    expect(gpu_checkbox(panel, 0)).not_to_be_checked()
+
+    lab.run_cell(1)
+    expect(lab.output(1)).to_contain_text("gpus=(1, 3)")
+    page.screenshot(path=str(ARTIFACTS / "gpu-panel.png"))
+
+
+def test_distributed_cell_runs_on_the_selection_and_panel_shows_ranks(
+    page: Page, lab_server: LabServer
+) -> None:
+    path = lab_server.create_notebook("run.ipynb", [
+        LOAD_ACCELNB,
+        '%%distributed\nprint(f"hello from rank {rank} of {world_size}")',
+    ])
+    lab = LabPage(page)
+    lab.open_notebook(lab_server.notebook_url(path, "run"))
+    panel = lab.open_gpu_panel()
+    lab.run_cell(0)
+    gpu_checkbox(panel, 0).check()
+    gpu_checkbox(panel, 2).check()
+    expect(panel.locator(".accelnb-GpuPanel-magic")).to_have_text("%%distributed --gpus 0,2")
+
+    lab.run_cell(1)
+    expect(lab.output(1)).to_contain_text("hello from rank 0 of 2", timeout=90_000)
+    expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_have_text("Last run: finished")
+    expect(panel.locator('.accelnb-GpuPanel-ranks tr[data-phase="done"]')).to_have_count(2)
+    expect(panel.locator(".accelnb-GpuPanel-stop")).to_have_count(0)
+    page.screenshot(path=str(ARTIFACTS / "gpu-panel-run.png"))
+
+
+def test_stop_button_interrupts_a_running_cell(page: Page, lab_server: LabServer) -> None:
+    path = lab_server.create_notebook("stop.ipynb", [
+        LOAD_ACCELNB,
+        '%%distributed\nimport time\nprint(f"rank {rank} sleeping", flush=True)\ntime.sleep(300)',
+    ])
+    lab = LabPage(page)
+    lab.open_notebook(lab_server.notebook_url(path, "stop"))
+    panel = lab.open_gpu_panel()
+    lab.run_cell(0)
+    gpu_checkbox(panel, 0).check()
+    gpu_checkbox(panel, 1).check()
+    expect(panel.locator(".accelnb-GpuPanel-magic")).to_have_text("%%distributed --gpus 0,1")
+
+    lab.run_cell(1)
+    expect(lab.output(1)).to_contain_text("rank 0 sleeping", timeout=90_000)
+    # The kernel is busy in the cell, yet the panel follows the run...
+    expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_have_text("Run in progress")
+    expect(panel.locator('.accelnb-GpuPanel-ranks tr[data-phase="running"]')).to_have_count(2)
+    # ...and its Stop button reaches the kernel (an interrupt, not a queued comm message).
+    panel.locator(".accelnb-GpuPanel-stop").click()
+    expect(lab.output(1)).to_contain_text("KeyboardInterrupt")
+    expect(page.locator(".jp-StatusBar-Widget", has_text="| Idle").first).to_be_visible()
+    expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_have_text("Last run: finished")
+    expect(panel.locator('.accelnb-GpuPanel-ranks tr[data-phase="running"]')).to_have_count(0)
+    page.screenshot(path=str(ARTIFACTS / "gpu-panel-stop.png"))
