@@ -144,6 +144,7 @@ export class GpuPanelModel {
     if (status === 'restarting' || status === 'autorestarting' || status === 'dead') {
       // The kernel's comms died with it; a restarted kernel has not loaded accelnb.
       this._comm = null;
+      this._state = null;
       this._probeWanted = true;
       this._setConnection(status === 'dead' ? 'no-kernel' : 'checking');
     } else if (status === 'idle' && this._probeWanted && !this._comm) {

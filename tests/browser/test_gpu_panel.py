@@ -46,6 +46,28 @@ def test_panel_lists_gpus_and_selects_for_the_notebook(page: Page, lab_server: L
     page.screenshot(path=str(ARTIFACTS / "gpu-panel.png"))
 
 
+def test_without_gpus_the_panel_asks_for_cpu_ranks(page: Page, lab_server: LabServer) -> None:
+    path = lab_server.create_notebook("cpu.ipynb", [
+        # A machine without an NVIDIA driver, injected the way accelnb's own tests do it.
+        "from accelnb.inventory import Inventory, set_inventory_source\n"
+        "set_inventory_source(lambda: Inventory(source='none', note='no NVIDIA driver found'))\n"
+        + LOAD_ACCELNB,
+        "from accelnb.selection import current_selection; print(current_selection())",
+    ])
+    lab = LabPage(page)
+    lab.open_notebook(lab_server.notebook_url(path, "cpu"))
+    panel = lab.open_gpu_panel()
+    lab.run_cell(0)
+    expect(panel.locator(".accelnb-GpuPanel-noGpu")).to_contain_text("No GPU found (no NVIDIA driver found)")
+    expect(panel.locator(".accelnb-GpuPanel-synthetic")).to_have_count(0)
+    ranks = panel.locator(".accelnb-GpuPanel-procs input")
+    ranks.fill("3")
+    ranks.press("Enter")
+    expect(panel.locator(".accelnb-GpuPanel-magic")).to_have_text("%%distributed --procs 3")
+    lab.run_cell(1)
+    expect(lab.output(1)).to_contain_text("num_processes=3")
+
+
 def test_distributed_cell_runs_on_the_selection_and_panel_shows_ranks(
     page: Page, lab_server: LabServer
 ) -> None:
