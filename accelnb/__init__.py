@@ -40,6 +40,7 @@ __all__ = [
     "LaunchResult",
     "LaunchTimeout",
     "MetricHistory",
+    "Panel",
     "PortInUseError",
     "RankCrashed",
     "RankFailed",
@@ -58,6 +59,15 @@ __all__ = [
     "set_selection",
     "synthetic_inventory",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # The widget panel pulls in ipywidgets: imported on first use, not with accelnb.
+    if name == "Panel":
+        from accelnb.panel import Panel
+
+        return Panel
+    raise AttributeError(f"module 'accelnb' has no attribute {name!r}")
 
 
 def load_ipython_extension(ipython: object) -> None:

@@ -38,6 +38,7 @@ class CellOutcome:
     last_value_repr: str | None = None  # when the value does not pickle
     returned: dict[str, bytes] = field(default_factory=dict)
     not_returned: dict[str, str] = field(default_factory=dict)  # name → why
+    unwrapped: list[str] = field(default_factory=list)  # DDP models sent back as their .module
 
 
 def run_cell(request: CellRequest) -> CellOutcome | None:
@@ -78,8 +79,13 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
         if name not in namespace:
             outcome.not_returned[name] = "not defined on rank 0"
             continue
+        value = namespace[name]
+        if isinstance(value, torch.nn.parallel.DistributedDataParallel):
+            # The wrapper only works inside a process group; the notebook gets the model itself.
+            value = value.module
+            outcome.unwrapped.append(name)
         try:
-            outcome.returned[name] = dumps_for_kernel(namespace[name])
+            outcome.returned[name] = dumps_for_kernel(value)
         except Exception as error:
             outcome.not_returned[name] = f"{type(namespace[name]).__name__} cannot be pickled ({error})"
     return outcome

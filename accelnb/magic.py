@@ -142,11 +142,16 @@ class DistributedMagics(Magics):
         outcome: CellOutcome | None = result.value
         if outcome is None:
             return None
+        arrived = []
         for name, data in outcome.returned.items():
-            self.shell.user_ns[name] = loads_in_kernel(data)
+            try:
+                self.shell.user_ns[name] = loads_in_kernel(data)
+                arrived.append(name + (" (its .module)" if name in outcome.unwrapped else ""))
+            except Exception as error:  # it pickled on the rank but cannot be rebuilt here
+                outcome.not_returned[name] = f"cannot be rebuilt in the notebook: {type(error).__name__}: {error}"
         notes = []
-        if outcome.returned:
-            notes.append("accelnb: brought back from rank 0: " + ", ".join(outcome.returned))
+        if arrived:
+            notes.append("accelnb: brought back from rank 0: " + ", ".join(arrived))
         for name, why in outcome.not_returned.items():
             notes.append(f"accelnb: not brought back: {name} ({why})")
         if notes:

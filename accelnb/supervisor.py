@@ -309,7 +309,7 @@ class WorkerGroup:
             _signal_group(worker.pid, signal.SIGKILL)  # the rank's own children, if any survive
         stopped_ranks = [r for r in stopped if not any(f.rank == r for f in failures)]
         for worker in self.workers:
-            if worker.rank in stopped_ranks and worker.state and worker.state.phase not in ("failed",):
+            if worker.rank in stopped_ranks:  # ended by us, not failed by itself
                 self._set_phase(worker, "stopped")
         return stopped_ranks
 
