@@ -61,6 +61,7 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
     linecache.cache[request.filename] = (len(padded), None, lines, request.filename)
     tree = ast.parse(padded, request.filename)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    assert last is None or isinstance(last, ast.Expr)
     exec(compile(tree, request.filename, "exec"), namespace)
     value = eval(compile(ast.Expression(last.value), request.filename, "eval"), namespace) if last else None
     if rank != 0:

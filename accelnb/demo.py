@@ -43,12 +43,12 @@ def train(steps: int = 60, lr: float = 0.05) -> dict[str, Any]:
 
 def main() -> int:
     inventory = accelnb.read_inventory()
-    if len(inventory.visible) >= 2:
-        where = {"gpus": [g.index for g in inventory.visible[:2]]}
+    on_gpus = len(inventory.visible) >= 2 and not inventory.synthetic
+    print(f"accelnb demo: training an MLP with DDP on 2 ranks ({'GPUs' if on_gpus else 'CPU, gloo'})\n")
+    if on_gpus:
+        result = accelnb.launch(train, gpus=[g.index for g in inventory.visible[:2]])
     else:
-        where = {"num_processes": 2, "cpu": True}
-    print(f"accelnb demo: training an MLP with DDP on 2 ranks ({'GPUs' if 'gpus' in where else 'CPU, gloo'})\n")
-    result = accelnb.launch(train, **where)  # type: ignore[arg-type]
+        result = accelnb.launch(train, num_processes=2, cpu=True)
     print(f"\nfinished in {result.seconds:.2f} s")
     for rank, value in sorted(result.values.items()):
         print(f"  rank {rank} returned {value}")

@@ -114,7 +114,8 @@ def _typed_rank_failed(message: str, failures: tuple[RankFailure, ...], root: Ra
     original = _original_type(root)
     if original is not None and issubclass(original, Exception) and not issubclass(original, LaunchFailed):
         try:
-            cls = type(original.__name__, (RankFailed, original), {"__module__": "accelnb.remote"})
+            cls: type[RankFailed] = type(original.__name__, (RankFailed, original),
+                                         {"__module__": "accelnb.remote"})
             error = cls.__new__(cls)
             RankFailed.__init__(error, message, failures)
             return error

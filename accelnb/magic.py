@@ -43,6 +43,8 @@ _SHIP_HINT = "Create it inside the %%distributed cell instead, or turn it into s
 class DistributedMagics(Magics):
     """Holds the session (if any) and turns magic lines into launcher calls."""
 
+    shell: Any  # IPython sets it; always present while the magic runs
+
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.session: Session | None = None

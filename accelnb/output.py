@@ -127,7 +127,7 @@ class OutputRouter:
 
     def finish(self) -> None:
         """Flush decoders and everything pending, whatever the rate."""
-        for (rank, stream), state in self._streams.items():
+        for (rank, _stream), state in self._streams.items():
             rest = state.decoder.decode(b"", final=True)
             if rest:
                 self.retained.setdefault(rank, RetainedOutput()).append(rest)

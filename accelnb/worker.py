@@ -63,8 +63,9 @@ def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int |
     _chdir_quietly(spec.cwd)
     sys.path[:] = spec.sys_path
     _install_streams()
-    faulthandler.enable(file=sys.__stderr__, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=sys.__stderr__, all_threads=True, chain=False)
+    # Straight to fd 2, which survives a user replacing sys.stderr.
+    faulthandler.enable(file=2, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)
     events = channel.MessageWriter(events_fd)
     metrics_worker.attach(events, spec.rank)
     commands = _start_inbox_reader(inbox_fd)
@@ -77,7 +78,7 @@ def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int |
     started = time.perf_counter()
     try:
         _join_process_group(spec, store_fd, torch, dist)
-    except BaseException as error:  # noqa: BLE001 - everything must reach the kernel
+    except BaseException as error:
         events.send(_describe_error(spec.rank, None, error))
         _finish(flusher)
         return 1
@@ -112,7 +113,7 @@ def _run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
         fn, args, kwargs = cloudpickle.loads(call.payload)
         value = fn(*args, **kwargs)
         data = dumps_for_kernel(value) if call.want_value else None
-    except BaseException as error:  # noqa: BLE001 - SystemExit and KeyboardInterrupt too
+    except BaseException as error:
         if isinstance(error, SystemExit) and error.code in (0, None):
             data = None
         else:
@@ -189,7 +190,7 @@ def _install_streams() -> None:
                                   errors="backslashreplace", write_through=False)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
                                   errors="backslashreplace", write_through=False)
-    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr
+    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # type: ignore[misc]
 
 
 def _start_flusher() -> threading.Event:

@@ -67,14 +67,14 @@ def serve(sock: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     children: set[int] = set()
     while True:
-        readable, _, _ = select.select([sock, wake_r], [], [])
+        readable, _, _ = select.select([sock.fileno(), wake_r], [], [])
         if wake_r in readable:
             try:
                 os.read(wake_r, 4096)
             except BlockingIOError:
                 pass
         _reap(sock, children)
-        if sock in readable:
+        if sock.fileno() in readable:
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 1 << 20, MAX_FDS_PER_MESSAGE)
             except OSError:
@@ -135,7 +135,7 @@ def _become_worker(spec: Any, fds: list[int], sock: socket.socket, own_fds: tupl
         from accelnb.worker import worker_main
 
         code = worker_main(spec, inbox_fd, events_fd, store_fd)
-    except BaseException:  # noqa: BLE001 - the child must never return into the helper's loop
+    except BaseException:
         import traceback
 
         traceback.print_exc()

@@ -37,7 +37,8 @@ CELLS = {
     "secret_absent": "print('secret' in globals())",
     "start": "%distributed start --procs 2 --quiet",
     "session_1": "%%distributed\nmodel = Net()\nw0 = model.fc.weight.sum().item()",
-    "session_2": "%%distributed\nwith torch.no_grad():\n    model.fc.weight.add_(1.0)\nround(model.fc.weight.sum().item() - w0, 3)",
+    "session_2": ("%%distributed\nwith torch.no_grad():\n    model.fc.weight.add_(1.0)\n"
+                  "round(model.fc.weight.sum().item() - w0, 3)"),
     "status": "%distributed status",
     "stop": "%distributed stop",
     "after_stop": "%%distributed\nprint(1)",
