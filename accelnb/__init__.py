@@ -73,9 +73,8 @@ def __getattr__(name: str) -> object:
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext accelnb``: the ``%%distributed`` magic, the side panel's comm target, and a
     head start for the worker helper process (so the first launch does not wait for torch)."""
-    from accelnb.magic import DistributedMagics
-
     from accelnb.lab_bridge import register_comm_target
+    from accelnb.magic import DistributedMagics
 
     ipython.register_magics(DistributedMagics)  # type: ignore[attr-defined]
     register_comm_target(ipython)  # type: ignore[arg-type]
