@@ -2,7 +2,7 @@
 
 Kernel → worker (the worker's inbox pipe): :class:`RunCall`, :class:`Shutdown`.
 Worker → kernel (the worker's event pipe): :class:`Joined`, :class:`CallResult`,
-:class:`CallError`, :class:`MetricBatch`.
+:class:`CallError`, :class:`MetricBatch` (and its subclass :class:`ProgressBatch`).
 Output does not travel as events: it is the worker's real stdout/stderr file descriptors.
 """
 
@@ -64,6 +64,32 @@ class MetricBatch:
     rank: int
     records: list[tuple[int | None, float, dict[str, float]]] = field(default_factory=list)
     # each record: (step, wall time, {name: value})
+
+
+@dataclass(frozen=True)
+class ProgressState:
+    """The state of one ``accelnb.progress`` bar on rank 0 at one moment."""
+
+    bar_id: int
+    position: int  # nesting depth when it opened (0: outermost); a newer bar takes over its line
+    desc: str | None
+    n: int
+    total: int | None
+    started: float  # wall time the bar opened
+    time: float  # wall time of this state
+    closed: bool = False
+
+
+@dataclass(frozen=True)
+class ProgressBatch(MetricBatch):
+    """A metric batch that also carries progress-bar states changed since the last batch.
+
+    A subclass, so that everything routing :class:`MetricBatch` events (the supervisor's
+    ``isinstance`` dispatch, the launcher's metric sink) carries progress to the live view with
+    no change; :class:`~accelnb.metrics_history.MetricHistory` reads only ``records``.
+    """
+
+    bars: list[ProgressState] = field(default_factory=list)
 
 
 Event = Joined | CallResult | CallError | MetricBatch

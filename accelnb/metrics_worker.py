@@ -1,26 +1,59 @@
 """The worker half of live metrics: ``accelnb.report()`` buffers scalars, a thread ships them.
 
-Reports are appended to an in-process list (a few hundred nanoseconds) and sent to the kernel as
-one :class:`~accelnb.events.MetricBatch` per flush, so reporting every step of a fast loop costs
-the loop nothing measurable. Outside a launch, ``report`` is a no-op that warns once.
+    accelnb.report(step=step, loss=loss, lr=lr)      # in the launched function, on any rank
+    accelnb.report({"val/acc": acc}, step=step)      # the dict form, for names that are not identifiers
+
+Reports are appended to an in-process queue (well under a microsecond for float values) and sent to
+the kernel as one :class:`~accelnb.events.MetricBatch` per flush: the worker's flusher thread
+calls :func:`flush` every 50 ms, and the worker once more after the call returns or raises, so
+what was reported before a failure still reaches the kernel. Reporting every step of a fast loop
+therefore costs the loop nothing measurable (``benchmarks/bench_metrics.py``).
+
+Progress bars (:mod:`accelnb.progress`) register here on rank 0; a flush that finds one changed
+sends a :class:`~accelnb.events.ProgressBatch` (a ``MetricBatch`` subclass, so the kernel routes
+it like any metric batch) carrying their states.
+
+Outside a launch, ``report`` is a no-op that warns once.
 """
 
 from __future__ import annotations
 
+import operator
 import threading
 import time
 import warnings
+from collections import deque
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from accelnb.channel import MessageWriter
-from accelnb.events import MetricBatch
+from accelnb.events import MetricBatch, ProgressBatch, ProgressState
 
+Record = tuple[int | None, float, dict[str, float]]
+
+RESERVED_NAMES = ("rank", "step", "time")  # the other columns of MetricHistory.records
+_STEP_LIMIT = 2**63  # steps are kept as 64-bit integers in the kernel
+
+_now = time.time
 _writer: MessageWriter | None = None
 _rank = 0
-_pending: list[tuple[int | None, float, dict[str, float]]] = []
-_lock = threading.Lock()
+# deque.append and deque.popleft are atomic, so report() needs no lock against the flusher.
+_pending: deque[Record] = deque()
+_flush_lock = threading.Lock()
 _warned = False
+
+
+class ProgressSource(Protocol):
+    """What :mod:`accelnb.progress` registers: a bar the flusher can read."""
+
+    closed: bool
+
+    def snapshot(self) -> ProgressState | None:
+        """The bar's state if it changed since the last snapshot, else None."""
+
+
+_bars: dict[int, ProgressSource] = {}
+_bars_lock = threading.Lock()
 
 
 def attach(writer: MessageWriter, rank: int) -> None:
@@ -34,36 +67,121 @@ def report(metrics: Mapping[str, Any] | None = None, /, *, step: int | None = No
     """Record scalar metrics of this rank, shown live in the notebook and returned by the launch.
 
     ``report(step=10, loss=0.5, lr=1e-3)`` or ``report({"loss": 0.5}, step=10)``. Values may be
-    Python numbers or one-element tensors (on any device).
+    Python numbers, numpy scalars or one-element tensors (on any device; ``.item()`` moves them
+    to the CPU). ``step`` is an integer (the chart's x axis); without it, the chart uses the
+    report's position in the series. Outside a launch, nothing happens (one warning).
+
+    Raises:
+        TypeError: a value is not a number or one-element tensor, or ``step`` is not an integer.
+        ValueError: a metric is called ``rank``, ``step`` or ``time`` (those name the history's
+            other columns), or ``step`` does not fit 64 bits.
     """
-    global _warned
     if _writer is None:
-        if not _warned:
-            warnings.warn("accelnb.report() called outside a distributed launch; ignored.", stacklevel=2)
-            _warned = True
+        _warn_outside_launch()
         return
-    values = {**(metrics or {}), **scalars}
-    record = {name: _to_float(name, value) for name, value in values.items()}
-    with _lock:
-        _pending.append((step, time.time(), record))
+    if metrics:
+        scalars = {**{_name(key): value for key, value in metrics.items()}, **scalars}
+        if "step" in scalars:
+            _reject_reserved(scalars)
+    if "rank" in scalars or "time" in scalars:  # ("step" cannot be a keyword: it is the step)
+        _reject_reserved(scalars)
+    for name, value in scalars.items():
+        if type(value) is not float:  # the common case costs one type check
+            scalars[name] = _to_float(name, value)
+    if step is not None and (type(step) is not int or not -_STEP_LIMIT <= step < _STEP_LIMIT):
+        step = _to_step(step)
+    _pending.append((step, _now(), scalars))
 
 
 def flush() -> None:
     """Send what was reported since the last flush (the worker's flusher thread calls this)."""
-    global _pending
-    if _writer is None or not _pending:
+    if _writer is None or not (_pending or _bars):
         return
-    with _lock:
-        batch, _pending = _pending, []
-    _writer.send(MetricBatch(_rank, batch))
+    # The flusher thread and the worker's end-of-call flush may race: one drains at a time, and
+    # batches leave in the order they were drained.
+    with _flush_lock:
+        bars = _changed_bars() if _bars else []
+        if not _pending and not bars:
+            return
+        records = [_pending.popleft() for _ in range(len(_pending))]
+        _writer.send(ProgressBatch(_rank, records, bars) if bars else MetricBatch(_rank, records))
+
+
+# ── progress bars (accelnb.progress) ────────────────────────────────────────────────────────
+def drives_progress() -> bool:
+    """True in rank 0 of a launch: the one rank whose progress bars are shown."""
+    return _writer is not None and _rank == 0
+
+
+def open_bar(bar_id: int, bar: ProgressSource) -> int:
+    """Register a bar until its closed state is sent; returns its nesting position."""
+    with _bars_lock:
+        position = sum(1 for bar in _bars.values() if not bar.closed)
+        _bars[bar_id] = bar
+    return position
+
+
+def _changed_bars() -> list[ProgressState]:
+    with _bars_lock:
+        bars = list(_bars.items())
+    states = []
+    for bar_id, bar in bars:
+        state = bar.snapshot()
+        if state is None:
+            continue
+        states.append(state)
+        if state.closed:
+            with _bars_lock:
+                _bars.pop(bar_id, None)
+    return states
+
+
+# ── conversions, off the fast path ─────────────────────────────────────────────────────────
+def _warn_outside_launch() -> None:
+    global _warned
+    if not _warned:
+        _warned = True
+        warnings.warn(
+            "accelnb.report() was called outside a distributed launch, so the metrics go nowhere; "
+            "call it inside the function you pass to accelnb.launch / notebook_launcher or run "
+            "with %%distributed.", stacklevel=3)
+
+
+def _name(key: Any) -> str:
+    return key if type(key) is str else str(key)
+
+
+def _reject_reserved(scalars: Mapping[str, Any]) -> None:
+    taken = [name for name in RESERVED_NAMES if name in scalars]
+    raise ValueError(
+        f"accelnb.report: metric name(s) {', '.join(map(repr, taken))} are reserved: every record "
+        "already has 'rank', 'step' and 'time' columns. Pass the step as report(step=…) and give "
+        "other metrics a different name (e.g. 'epoch_time').")
 
 
 def _to_float(name: str, value: Any) -> float:
     if hasattr(value, "item"):  # tensors and numpy scalars, on any device
-        value = value.item()
+        try:
+            value = value.item()
+        except (RuntimeError, ValueError):  # a tensor with more than one element
+            shape = tuple(getattr(value, "shape", ()))
+            raise TypeError(
+                f"accelnb.report: metric {name!r} must be a single number, got a tensor of shape "
+                f"{shape}; reduce it first (e.g. {name}=t.mean()).") from None
     try:
         return float(value)
     except (TypeError, ValueError):
         raise TypeError(
             f"accelnb.report: metric {name!r} must be a number or a one-element tensor, "
             f"got {type(value).__name__}.") from None
+
+
+def _to_step(step: Any) -> int:
+    try:
+        step = operator.index(step)  # ints, numpy integers, integer tensors
+    except TypeError:
+        raise TypeError(
+            f"accelnb.report: step must be an integer, got {type(step).__name__} {step!r}.") from None
+    if not -_STEP_LIMIT <= step < _STEP_LIMIT:
+        raise ValueError(f"accelnb.report: step={step} does not fit in 64 bits.")
+    return int(step)
