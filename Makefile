@@ -11,7 +11,7 @@ demo: setup
 	$(PY) -m accelnb.demo
 
 lint: setup
-	.venv/bin/ruff check accelnb tests benchmarks
+	.venv/bin/ruff check .
 
 typecheck: setup
 	.venv/bin/mypy
