@@ -7,6 +7,7 @@ or ``%load_ext accelnb`` and a ``%%distributed --gpus 0,1`` cell. Importing acce
 effects: no NVML, no CUDA, no threads, no processes until the first launch.
 """
 
+from accelnb.accelerate_tracker import AccelerateTracker
 from accelnb.errors import (
     AccelnbError,
     GpuSelectionError,
@@ -26,10 +27,12 @@ from accelnb.launcher import launch, notebook_launcher
 from accelnb.metrics_history import MetricHistory
 from accelnb.metrics_worker import report
 from accelnb.planning import LaunchPlan, RankSpec, plan
+from accelnb.progress import progress
 from accelnb.selection import Selection, current_selection, set_selection
 from accelnb.zygote_client import prewarm
 
 __all__ = [
+    "AccelerateTracker",
     "AccelnbError",
     "GpuInfo",
     "GpuSelectionError",
@@ -54,6 +57,7 @@ __all__ = [
     "notebook_launcher",
     "plan",
     "prewarm",
+    "progress",
     "read_inventory",
     "report",
     "set_selection",
