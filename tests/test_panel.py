@@ -14,12 +14,12 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import pytest
-from conftest import wait_until_no_workers, worker_processes
 
 from accelnb import kernel_messages, launch, run_state
 from accelnb.inventory import GpuInfo, GpuProcess, Inventory, synthetic_inventory
 from accelnb.panel import Panel, show_panel
 from accelnb.selection import Selection, clear_selection, current_selection, set_selection
+from tests.conftest import wait_until_no_workers, worker_processes
 
 GIB = 2**30
 

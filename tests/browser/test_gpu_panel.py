@@ -8,9 +8,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from conftest import ARTIFACTS, SYNTHETIC_GPUS, LabServer
 from lab_page import LabPage, gpu_checkbox
 from playwright.sync_api import Page, expect
+
+from tests.browser.conftest import ARTIFACTS, SYNTHETIC_GPUS, LabServer
 
 pytestmark = pytest.mark.browser
 
