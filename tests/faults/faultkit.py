@@ -1,0 +1,242 @@
+"""Fault injection for the fault matrix: what the workers run, and how a test watches them.
+
+The worker side is :func:`fault_target`, launched on 2 CPU ranks. Every rank first writes a
+report (pid, rendezvous port, the pid of a child process it started, as a DataLoader would) into a
+private directory, then the rank under test injects its fault while the other rank carries on
+into a collective and waits there for it:
+
+    launch(fault_target, ("segfault", 1, "after", str(report_dir)), num_processes=2)
+
+*Phase*: a worker joins the process group before it runs the function, so "before the group is
+joined" here means the function faults before its first collective (``"before"``); ``"after"``
+faults after one ``all_reduce`` went through. Failing in set-up itself is covered separately
+(``backend="mpi"``, which this torch build lacks, fails inside ``init_process_group``).
+
+The kernel side is :class:`RunWatcher`: a thread that, while a launch runs, collects every
+process under the helper (recursively), every port they listen on, and the reports, and can
+SIGKILL a worker from outside. :func:`wait_gone` then times how long until every pid is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+FAULTS = ("exception", "sys_exit", "os_exit", "sigkill", "segfault", "hang_python",
+          "hang_collective", "ignore_sigterm")
+
+
+# ── worker side ─────────────────────────────────────────────────────────────────────────────
+def fault_target(fault: str, fault_rank: int, phase: str, report_dir: str,
+                 healthy: str = "collective") -> Any:
+    """Run on every rank; ``fault_rank`` injects ``fault``, the other rank waits in a collective.
+
+    ``healthy="raise"``: the other rank raises once the faulty rank is armed (so that accelnb
+    has to stop a rank that ignores SIGTERM).
+    """
+    import subprocess
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    child = subprocess.Popen(["sleep", "600"])  # a rank's own child process must go too
+    report(report_dir, rank, pid=os.getpid(), child_pid=child.pid, port=int(os.environ["MASTER_PORT"]))
+    wait_for_report(report_dir, 1 - rank, "pid")  # so that the test knows every pid before the fault
+    tensor = torch.ones(1)
+    if phase == "after":
+        dist.all_reduce(tensor)  # the group is joined and has communicated
+    if rank != fault_rank:
+        if healthy == "raise":
+            wait_for_report(report_dir, fault_rank, "armed_at")
+            report(report_dir, rank, fault_at=time.time())
+            raise RuntimeError(f"rank {rank} fails while rank {fault_rank} ignores SIGTERM")
+        dist.all_reduce(tensor)  # waits here for the faulty rank
+        return tensor.item()
+    if fault == "ignore_sigterm":
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        report(report_dir, rank, armed_at=time.time())
+        time.sleep(3600)
+    if fault == "sigkill":
+        report(report_dir, rank, armed_at=time.time())  # the test kills us from outside now
+        time.sleep(3600)
+    report(report_dir, rank, fault_at=time.time())
+    if fault == "exception":
+        raise ValueError(f"injected fault on rank {rank}")
+    if fault == "sys_exit":
+        sys.exit(3)
+    if fault == "os_exit":
+        os._exit(3)
+    if fault == "segfault":
+        import ctypes
+
+        ctypes.string_at(0)
+    if fault == "sigkill_self":  # for the soak, where no test thread watches
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault == "hang_python":
+        time.sleep(3600)
+    if fault == "hang_collective":
+        dist.barrier()  # skipped the all_reduce the other rank waits in
+    raise AssertionError(f"unknown fault {fault!r}")
+
+
+def report(report_dir: str, rank: int, **facts: Any) -> None:
+    """Add ``facts`` to ``rank``'s report file (atomically replaced)."""
+    path = Path(report_dir) / f"rank{rank}.json"
+    current = read_report(path)
+    current.update(facts)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(current))
+    os.replace(tmp, path)
+
+
+def read_report(path: Path) -> dict[str, Any]:
+    try:
+        data: dict[str, Any] = json.loads(path.read_text())
+        return data
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def wait_for_report(report_dir: str, rank: int, key: str, timeout: float = 30.0) -> Any:
+    deadline = time.monotonic() + timeout
+    path = Path(report_dir) / f"rank{rank}.json"
+    while time.monotonic() < deadline:
+        value = read_report(path).get(key)
+        if value is not None:
+            return value
+        time.sleep(0.01)
+    raise TimeoutError(f"rank {rank} never reported {key!r} in {report_dir}")
+
+
+def ok_target() -> float:
+    """A healthy run: one collective, a value back."""
+    import torch
+    import torch.distributed as dist
+
+    tensor = torch.ones(1)
+    dist.all_reduce(tensor)
+    return tensor.item()
+
+
+# ── kernel side ─────────────────────────────────────────────────────────────────────────────
+def descendants(pid: int) -> list[psutil.Process]:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).children(recursive=True)
+    return []
+
+
+def is_gone(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return True
+
+
+def wait_gone(pids: Iterable[int], timeout: float) -> float | None:
+    """``time.time()`` when every pid had gone (zombies count as gone), None on timeout."""
+    pending = set(pids)
+    deadline = time.monotonic() + timeout
+    while True:
+        pending = {pid for pid in pending if not is_gone(pid)}
+        if not pending:
+            return time.time()
+        if time.monotonic() > deadline:
+            return None
+        time.sleep(0.01)
+
+
+def listening_on(port: int) -> list[Any]:
+    """Every LISTEN socket on ``port``, whoever owns it."""
+    return [c for c in psutil.net_connections(kind="inet")
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
+
+
+def listen_sockets(pids: Iterable[int]) -> list[tuple[int, Any]]:
+    """(pid, connection) for every LISTEN inet socket of ``pids`` still alive."""
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            for conn in psutil.Process(pid).net_connections(kind="inet"):
+                if conn.status == psutil.CONN_LISTEN:
+                    found.append((pid, conn))
+    return found
+
+
+@dataclass
+class RunWatcher:
+    """Watches one launch from a thread of the kernel: processes, ports, reports.
+
+    ``on_report(rank, report)`` is called on every poll; use it to act (kill) on a report.
+    """
+
+    helper_pid: int
+    report_dir: Path
+    on_report: Callable[[int, dict[str, Any]], None] | None = None
+    interval: float = 0.03
+    pids: set[int] = field(default_factory=set)
+    ports: set[int] = field(default_factory=set)
+    reports: dict[int, dict[str, Any]] = field(default_factory=dict)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def __enter__(self) -> RunWatcher:
+        self._thread = threading.Thread(target=self._watch, name="fault-watcher", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        assert self._thread is not None
+        self._thread.join()
+        self._poll()  # the last reports, for runs faster than one interval
+
+    def _watch(self) -> None:
+        while not self._stop.is_set():
+            self._poll()
+            self._stop.wait(self.interval)
+
+    def _poll(self) -> None:
+        for proc in descendants(self.helper_pid):
+            self.pids.add(proc.pid)
+            with contextlib.suppress(psutil.Error):
+                self.ports.update(c.laddr.port for c in proc.net_connections(kind="inet")
+                                  if c.status == psutil.CONN_LISTEN)
+        for path in sorted(self.report_dir.glob("rank*.json")):
+            rank = int(path.stem[4:])
+            self.reports[rank] = read_report(path)
+            self.pids.update(self.reports[rank].get(k) for k in ("pid", "child_pid")
+                             if self.reports[rank].get(k))
+            if self.reports[rank].get("port"):
+                self.ports.add(self.reports[rank]["port"])
+            if self.on_report is not None:
+                self.on_report(rank, self.reports[rank])
+
+    def fact(self, key: str) -> list[Any]:
+        return [r[key] for _, r in sorted(self.reports.items()) if key in r]
+
+
+class KillFromOutside:
+    """An ``on_report`` that SIGKILLs the faulty rank from outside once it is armed, as the
+    OOM killer would; ``killed_at`` is when."""
+
+    def __init__(self, fault_rank: int) -> None:
+        self.fault_rank = fault_rank
+        self.killed_at: float | None = None
+
+    def __call__(self, rank: int, facts: dict[str, Any]) -> None:
+        if rank == self.fault_rank and "armed_at" in facts and self.killed_at is None:
+            self.killed_at = time.time()
+            os.kill(facts["pid"], signal.SIGKILL)

@@ -1,0 +1,125 @@
+"""Faults 7 and 8, in a real Jupyter kernel: the stop button, and the kernel process killed.
+
+7. ``interrupt_kernel()`` (SIGINT to the kernel's process group, as Jupyter's stop button) while
+   the ranks hang: the cell ends with KeyboardInterrupt and every pid is gone within 3 s, also
+   when a rank ignores SIGTERM and SIGINT; the next launch in the same kernel works.
+8. SIGKILL to the kernel while the ranks run: the helper and every worker are gone within 5 s,
+   nothing listens on the rendezvous port; the next launch in the restarted kernel works.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from faultkit import RunWatcher, listen_sockets, listening_on, wait_for_report, wait_gone
+from kernel_driver import NotebookKernel
+
+INTERRUPT_BOUND_S = 3.0
+KERNEL_DEATH_BOUND_S = 5.0
+
+SETUP_CELL = """
+import accelnb
+from accelnb.zygote_client import shared_helper
+from faultkit import fault_target, ok_target
+print(shared_helper().pid)
+"""
+NEXT_LAUNCH_CELL = "print(sorted(accelnb.launch(ok_target, num_processes=2, quiet=True).values.items()))"
+
+
+def prepare(kernel: NotebookKernel) -> None:
+    kernel.extra["helper_pid"] = int(kernel.value(SETUP_CELL))
+    assert kernel.value(NEXT_LAUNCH_CELL) == "[(0, 2.0), (1, 2.0)]"  # warm
+
+
+@pytest.fixture(scope="module")
+def kernel() -> Iterator[NotebookKernel]:
+    kernel = NotebookKernel.start()
+    try:
+        prepare(kernel)
+        yield kernel
+    finally:
+        kernel.shutdown()
+
+
+def launch_cell(fault: str, rank: int, phase: str, report_dir: Path) -> str:
+    return (f"accelnb.launch(fault_target, ({fault!r}, {rank}, {phase!r}, {str(report_dir)!r}), "
+            "num_processes=2)")
+
+
+def wait_until_faulted(report_dir: Path, fault: str, rank: int) -> None:
+    wait_for_report(str(report_dir), rank, "armed_at" if fault == "ignore_sigterm" else "fault_at")
+    wait_for_report(str(report_dir), 1 - rank, "pid")
+    time.sleep(0.3)  # the other rank is in its all_reduce by now
+
+
+def assert_ports_free(watcher: RunWatcher, ours: set[int]) -> None:
+    assert watcher.ports, "no rendezvous port was seen"
+    for port in watcher.ports:
+        holders = [c for c in listening_on(port) if c.pid is None or c.pid in ours]
+        assert not holders, f"port {port} still listening: {holders}"
+
+
+@pytest.mark.parametrize(("fault", "rank", "phase"), [
+    pytest.param("hang_python", 0, "before", id="rank0-sleeping-before"),
+    pytest.param("hang_collective", 1, "after", id="rank1-in-collective-after"),
+    pytest.param("ignore_sigterm", 0, "after", id="rank0-ignores-sigterm-and-sigint"),
+])
+def test_kernel_interrupt(kernel: NotebookKernel, fault: str, rank: int, phase: str, tmp_path: Path,
+                          fault_record: dict[str, Any]) -> None:
+    helper_pid = kernel.extra["helper_pid"]
+    with RunWatcher(helper_pid, tmp_path) as watcher:
+        msg_id = kernel.submit(launch_cell(fault, rank, phase, tmp_path))
+        wait_until_faulted(tmp_path, fault, rank)
+        interrupted = time.time()
+        kernel.km.interrupt_kernel()
+        cell = kernel.collect(msg_id, timeout=30)
+    printed = {int(p) for p in re.findall(r"\(pid (\d+)\)", cell.stdout)}
+    gone = wait_gone(watcher.pids | printed, 10)
+    cleanup = None if gone is None else gone - interrupted
+    error = cell.error or {}
+    fault_record.update(fault="kernel_interrupt", label=fault, rank=rank, phase=phase,
+                        raised=error.get("ename", "(nothing raised)"),
+                        first_line=error.get("evalue", "").splitlines()[0] if error.get("evalue") else "",
+                        cleanup_s=cleanup, bound_s=INTERRUPT_BOUND_S, measured_from="interrupt")
+
+    assert cell.finished, cell.seen
+    assert error.get("ename") == "KeyboardInterrupt", cell.seen
+    assert "accelnb stopped the run: every worker was ended on the interrupt" in error["evalue"]
+    assert printed == set(watcher.fact("pid")) and len(printed) == 2
+    assert cleanup is not None and cleanup <= INTERRUPT_BOUND_S, f"cleanup {cleanup} s"
+    assert_ports_free(watcher, watcher.pids | {helper_pid, kernel.pid})
+    assert not listen_sockets([helper_pid])
+    assert kernel.value(NEXT_LAUNCH_CELL) == "[(0, 2.0), (1, 2.0)]"
+
+
+@pytest.mark.parametrize(("fault", "rank", "phase"), [
+    pytest.param("hang_python", 0, "before", id="rank0-sleeping-before"),
+    pytest.param("hang_collective", 1, "after", id="rank1-in-collective-after"),
+])
+def test_kernel_killed(kernel: NotebookKernel, fault: str, rank: int, phase: str, tmp_path: Path,
+                       fault_record: dict[str, Any]) -> None:
+    helper_pid = kernel.extra["helper_pid"]
+    with RunWatcher(helper_pid, tmp_path) as watcher:
+        kernel.submit(launch_cell(fault, rank, phase, tmp_path))
+        wait_until_faulted(tmp_path, fault, rank)
+        killed = time.time()
+        os.kill(kernel.pid, signal.SIGKILL)
+        gone = wait_gone(watcher.pids | {helper_pid, kernel.pid}, 10)
+    cleanup = None if gone is None else gone - killed
+    fault_record.update(fault="kernel_killed", label=fault, rank=rank, phase=phase,
+                        raised="(kernel died: Jupyter restarts it)", first_line="",
+                        cleanup_s=cleanup, bound_s=KERNEL_DEATH_BOUND_S, measured_from="kernel SIGKILL")
+
+    assert len(watcher.fact("pid")) == 2 and watcher.pids >= set(watcher.fact("pid"))
+    assert cleanup is not None and cleanup <= KERNEL_DEATH_BOUND_S, \
+        f"cleanup {cleanup} s; left: {[p for p in watcher.pids | {helper_pid} if not wait_gone([p], 0)]}"
+    assert_ports_free(watcher, watcher.pids | {helper_pid, kernel.pid})
+    kernel.restart()
+    prepare(kernel)  # the next launch, in the restarted kernel, works
