@@ -68,7 +68,10 @@ def build_exception(failures: Sequence[RankFailure], stopped: Sequence[int],
                     show_output_of: set[int], timed_out_after: float | None = None,
                     stacks: dict[int, str] | None = None, session_ended: bool = False) -> LaunchFailed:
     """The exception for a failed run, root cause first."""
-    ordered = sorted(failures, key=lambda f: f.timestamp)
+    # A peer that lost its partner mid-collective often reports before the partner's death is
+    # reaped; such echoes never count as the root cause while another rank crashed.
+    crashed = any(f.kind in ("signal", "exit") for f in failures)
+    ordered = sorted(failures, key=lambda f: (crashed and _is_peer_loss(f), f.timestamp))
     lines: list[str] = []
     if timed_out_after is not None:
         lines.append(f"The run did not finish within timeout={timed_out_after:g} s; every rank was "
@@ -104,6 +107,15 @@ def build_exception(failures: Sequence[RankFailure], stopped: Sequence[int],
     if root.kind != "exception":
         return RankCrashed(message, tuple(ordered))
     return _typed_rank_failed(message, tuple(ordered), root)
+
+
+_PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Read error",
+              "remote process exited", "Socket closed", "Broken pipe")
+
+
+def _is_peer_loss(failure: RankFailure) -> bool:
+    return failure.kind == "exception" and any(marker in failure.summary + failure.traceback
+                                               for marker in _PEER_LOSS)
 
 
 def _prefixed(text: str, rank: int) -> list[str]:

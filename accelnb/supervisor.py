@@ -26,7 +26,7 @@ import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from accelnb import run_state
@@ -282,7 +282,8 @@ class WorkerGroup:
         if any(f.rank == worker.rank for f in failures):
             return  # it reported its own exception before exiting
         if code != 0:
-            failures.append(signal_failure(worker.rank, worker.pid, code, self.output.tail(worker.rank)))
+            failure = signal_failure(worker.rank, worker.pid, code, self.output.tail(worker.rank))
+            failures.append(replace(failure, timestamp=self.helper.exit_times.pop(worker.pid, failure.timestamp)))
             self._set_phase(worker, "failed", failures[-1].summary)
         elif worker.rank not in results and call_id is not None:
             failures.append(RankFailure(
@@ -318,8 +319,11 @@ class WorkerGroup:
         scratch: list[RankFailure] = []
         while any(w.alive for w in self.workers) and time.monotonic() < deadline:
             self._pump(0.02, ignored, scratch, None)
-        # Exits we caused are not failures; a real failure that raced our stop still counts.
-        failures.extend(f for f in scratch if f.kind == "exception" and f.rank not in {x.rank for x in failures})
+        # Exits we caused (SIGTERM, SIGKILL) are not failures; a real failure that raced our
+        # stop still counts, a crash included.
+        ours = (-signal.SIGTERM, -signal.SIGKILL)
+        failures.extend(f for f in scratch if f.rank not in {x.rank for x in failures}
+                        and (f.kind == "exception" or (f.exit_code is not None and f.exit_code not in ours)))
 
     def _dump_stacks(self) -> dict[int, str]:
         """Have every live rank print its Python stacks (faulthandler on SIGUSR1)."""

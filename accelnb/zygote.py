@@ -31,6 +31,7 @@ import select
 import signal
 import socket
 import sys
+import time
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
@@ -98,6 +99,11 @@ def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int
             position += count
             pid = os.fork()
             if pid == 0:
+                # The other ranks' fds must not live on in this worker (the store socket would
+                # stay bound, and pipes would not see end of file).
+                for fd in fds:
+                    if fd not in mine:
+                        os.close(fd)
                 _become_worker(spec, mine, sock, own_fds)  # never returns
             children.add(pid)
             pids.append(pid)
@@ -152,7 +158,7 @@ def _reap(sock: socket.socket, children: set[int]) -> None:
         if pid == 0:
             return
         children.discard(pid)
-        send(sock, ("exited", pid, os.waitstatus_to_exitcode(status)))
+        send(sock, ("exited", pid, os.waitstatus_to_exitcode(status), time.time()))
 
 
 def _kill_group(pid: int) -> None:
@@ -182,6 +188,7 @@ def main(argv: list[str]) -> None:
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
     serve(sock)
+    os._exit(0)  # skip interpreter teardown with torch loaded: the workers are already gone
 
 
 if __name__ == "__main__":

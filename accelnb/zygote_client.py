@@ -49,6 +49,7 @@ class WorkerHelper:
         self._ready = False
         self._next_request = 0
         self.exit_codes: dict[int, int] = {}
+        self.exit_times: dict[int, float] = {}
         self.pid = self._process.pid
 
     def wait_ready(self) -> None:
@@ -107,6 +108,7 @@ class WorkerHelper:
         message = pickle.loads(data)
         if message[0] == "exited":
             self.exit_codes[message[1]] = message[2]
+            self.exit_times[message[1]] = message[3]
         return message
 
     def close(self) -> None:
