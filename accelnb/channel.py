@@ -63,9 +63,6 @@ class MessageReader:
             del self._buffer[:end]
         return messages
 
-    @property
-    def pending_bytes(self) -> int:
-        return len(self._buffer)
 
 
 def read_message(fd: int) -> Any | None:

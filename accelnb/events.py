@@ -9,7 +9,6 @@ Output does not travel as events: it is the worker's real stdout/stderr file des
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 
 @dataclass(frozen=True)
@@ -94,4 +93,3 @@ class ProgressBatch(MetricBatch):
 
 Event = Joined | CallResult | CallError | MetricBatch
 Command = RunCall | Shutdown
-AnyMessage = Any

@@ -152,7 +152,7 @@ def plan(
             env["ACCELERATE_USE_CPU"] = "true"
         device = f"cuda:{local_rank}" if gpu is not None and not simulated else "cpu"
         ranks.append(RankSpec(rank, local_rank, world_size, count, node_rank,
-                              device if gpu is None or not simulated else "cpu", gpu, env))
+                              device, gpu, env))
     return LaunchPlan(tuple(ranks), chosen_backend, master_addr, master_port, simulated)
 
 

@@ -327,7 +327,7 @@ class WorkerGroup:
 
     def _dump_stacks(self) -> dict[int, str]:
         """Have every live rank print its Python stacks (faulthandler on SIGUSR1)."""
-        marks = {w.rank: self._retained(w.rank).position() for w in self.workers}
+        marks = {w.rank: self.output.position(w.rank) for w in self.workers}
         self.output.live_ranks.clear()  # the dump goes into the exception, not also the cell
         for worker in self.workers:
             if worker.alive:
@@ -337,12 +337,7 @@ class WorkerGroup:
         scratch: list[RankFailure] = []
         while time.monotonic() < deadline:
             self._pump(0.05, ignored, scratch, None)
-        return {w.rank: clean_stack_dump(self._retained(w.rank).since(marks[w.rank])) for w in self.workers}
-
-    def _retained(self, rank: int) -> Any:
-        from accelnb.output import RetainedOutput
-
-        return self.output.retained.setdefault(rank, RetainedOutput())
+        return {w.rank: clean_stack_dump(self.output.text_since(w.rank, marks[w.rank])) for w in self.workers}
 
     def shutdown(self) -> None:
         """End workers that finished their work: ask nicely, then make sure. Frees every fd."""
