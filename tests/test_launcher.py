@@ -255,11 +255,22 @@ def test_accelerator_inside_the_function_sees_the_distributed_setup() -> None:
                       1: ("DistributedType.MULTI_CPU", 2, 1, "bf16")}
 
 
-def test_the_rendezvous_port_is_free_after_the_run() -> None:
-    result = launch(all_reduce_rank_plus_one, num_processes=2, quiet=True)
-    probe = socket.socket()
-    probe.bind(("127.0.0.1", result.plan.master_port))  # would raise if anyone still listened
-    probe.close()
+def _listening_ports() -> set[int]:
+    """Local ports in LISTEN state (``0A``) on IPv4, read from /proc/net/tcp."""
+    with open("/proc/net/tcp") as table:
+        rows = [line.split() for line in table.readlines()[1:]]
+    return {int(row[1].split(":")[1], 16) for row in rows if row[3] == "0A"}
+
+
+def test_the_rendezvous_port_is_released_and_a_fixed_port_can_be_reused_at_once() -> None:
+    first = launch(all_reduce_rank_plus_one, num_processes=2, quiet=True)
+    port = first.plan.master_port
+    assert port not in _listening_ports()
+    # Closed connections leave the port in TIME_WAIT for a minute; rerunning a cell with a fixed
+    # master_port must still work straight away (the classic "Address already in use").
+    again = launch(all_reduce_rank_plus_one, num_processes=2, quiet=True, master_port=port)
+    assert again.values == first.values
+    assert port not in _listening_ports()
 
 
 @pytest.mark.gpu
