@@ -61,6 +61,7 @@ class _Worker:
     exit_code: int | None = None
     joined: bool = False
     state: run_state.RankState | None = None
+    signals_sent: set[int] = field(default_factory=set)  # an exit by one of these is ours, not a crash
 
     @property
     def rank(self) -> int:
@@ -298,16 +299,16 @@ class WorkerGroup:
         live = [w for w in self.workers if w.alive]
         stopped = [w.rank for w in live]
         for worker in live:
-            _signal_group(worker.pid, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+            _signal_group(worker, signal.SIGTERM if grace > 0 else signal.SIGKILL)
         self._wait_for_exits(time.monotonic() + grace, failures)
         for worker in self.workers:
             if worker.alive:
-                _signal_group(worker.pid, signal.SIGKILL)
+                _signal_group(worker, signal.SIGKILL)
         self._wait_for_exits(time.monotonic() + 5.0, failures)
         for worker in self.workers:
             if worker.alive:
                 self._set_phase(worker, "stopped")
-            _signal_group(worker.pid, signal.SIGKILL)  # the rank's own children, if any survive
+            _signal_group(worker, signal.SIGKILL)  # the rank's own children, if any survive
         stopped_ranks = [r for r in stopped if not any(f.rank == r for f in failures)]
         for worker in self.workers:
             if worker.rank in stopped_ranks:  # ended by us, not failed by itself
@@ -319,11 +320,12 @@ class WorkerGroup:
         scratch: list[RankFailure] = []
         while any(w.alive for w in self.workers) and time.monotonic() < deadline:
             self._pump(0.02, ignored, scratch, None)
-        # Exits we caused (SIGTERM, SIGKILL) are not failures; a real failure that raced our
-        # stop still counts, a crash included.
-        ours = (-signal.SIGTERM, -signal.SIGKILL)
+        # Exits by a signal we sent are not failures; a real failure that raced our stop still
+        # counts, a crash included (a SIGKILL from outside before ours is a crash).
+        signals_sent = {w.rank: w.signals_sent for w in self.workers}
         failures.extend(f for f in scratch if f.rank not in {x.rank for x in failures}
-                        and (f.kind == "exception" or (f.exit_code is not None and f.exit_code not in ours)))
+                        and (f.kind == "exception" or (f.exit_code is not None
+                                                       and -f.exit_code not in signals_sent[f.rank])))
 
     def _dump_stacks(self) -> dict[int, str]:
         """Have every live rank print its Python stacks (faulthandler on SIGUSR1)."""
@@ -390,9 +392,11 @@ def _write_blocking(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view[: 1 << 20]):]
 
 
-def _signal_group(pid: int, sig: int) -> None:
+def _signal_group(worker: _Worker, sig: int) -> None:
+    if worker.alive:
+        worker.signals_sent.add(sig)
     try:
-        os.killpg(pid, sig)
+        os.killpg(worker.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 

@@ -35,6 +35,7 @@ from accelnb.events import CallError, CallResult, Joined, RunCall, Shutdown
 from accelnb.result_pickling import dumps_for_kernel
 
 FLUSH_INTERVAL_S = 0.05
+STREAM_BUFFER_BYTES = 1 << 16
 
 
 @dataclass(frozen=True)
@@ -187,11 +188,18 @@ def _install_streams() -> None:
     Line buffering would cost one pipe write per print; a 50 ms flusher keeps output live while
     a print loop runs at full speed.
     """
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), encoding="utf-8",
-                                  errors="backslashreplace", write_through=False)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), encoding="utf-8",
-                                  errors="backslashreplace", write_through=False)
+    sys.stdout = _block_buffered_text(1)
+    sys.stderr = _block_buffered_text(2)
     sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # type: ignore[misc]
+
+
+def _block_buffered_text(fd: int) -> io.TextIOWrapper:
+    # 64 KB per pipe write rather than 8 KB: a print-heavy loop makes 8x fewer system calls and
+    # wakes the kernel 8x less often, which is most of what relaying costs it.
+    raw = io.BufferedWriter(io.FileIO(fd, "w", closefd=False), buffer_size=STREAM_BUFFER_BYTES)
+    stream = io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", write_through=False)
+    stream._CHUNK_SIZE = STREAM_BUFFER_BYTES  # type: ignore[attr-defined]  # text-side batching
+    return stream
 
 
 def _start_flusher() -> threading.Event:
