@@ -23,7 +23,7 @@ from accelnb.errors import (
 from accelnb.failures import RankFailure
 from accelnb.inventory import GpuInfo, Inventory, read_inventory, synthetic_inventory
 from accelnb.launch_result import LaunchResult
-from accelnb.launcher import launch, notebook_launcher
+from accelnb.launcher import last_result, launch, notebook_launcher
 from accelnb.metrics_history import MetricHistory
 from accelnb.metrics_worker import report
 from accelnb.planning import LaunchPlan, RankSpec, plan
@@ -53,6 +53,7 @@ __all__ = [
     "UnpicklableError",
     "WorkerStartError",
     "current_selection",
+    "last_result",
     "launch",
     "notebook_launcher",
     "plan",

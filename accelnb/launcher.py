@@ -40,6 +40,8 @@ from accelnb.zygote_client import shared_helper
 
 OutputMode = Literal["rank0", "all", "none"]
 
+_last_result: LaunchResult | None = None
+
 
 def notebook_launcher(
     function: Callable[..., Any],
@@ -160,20 +162,37 @@ def run_on_group(group: WorkerGroup, payload: bytes, *, collect: Literal["rank0"
 
     group.metric_sink = on_metrics
     started = time.perf_counter()
+    global _last_result
+
+    def outcome(values: dict[int, Any]) -> LaunchResult:
+        return LaunchResult(values=values, plan=group.plan, seconds=time.perf_counter() - started,
+                            metrics=history,
+                            outputs={rank: group.output.text_since(rank, marks[rank]) for rank in ranks})
+
     try:
         pickled = group.call(payload, {0} if collect == "rank0" else set(ranks), timeout)
         if not group.persistent:
             group.shutdown()
-    except LaunchFailed as failure:
-        failure.metrics = history  # what was reported before the failure is not lost
+    except BaseException as error:
+        if isinstance(error, LaunchFailed):
+            error.metrics = history  # what was reported before the failure is not lost
+        group.output.tick(force=True)
+        _last_result = outcome({})
         raise
     finally:
         group.output.tick(force=True)
         view.close()
     values = {rank: loads_in_kernel(data) for rank, data in pickled.items() if data is not None}
-    return LaunchResult(values=values, plan=group.plan, seconds=time.perf_counter() - started,
-                        metrics=history,
-                        outputs={rank: group.output.text_since(rank, marks[rank]) for rank in ranks})
+    _last_result = outcome(values)
+    return _last_result
+
+
+def last_result() -> LaunchResult | None:
+    """The latest run in this kernel, however it was started (``notebook_launcher``,
+    ``%%distributed``, a session): every rank's value, output and metrics, including output the
+    cell skipped to stay responsive. After a failed or interrupted run ``values`` is empty and
+    the output is what each rank printed before it ended."""
+    return _last_result
 
 
 def worker_specs(the_plan: planning.LaunchPlan, persistent: bool = False) -> list[WorkerSpec]:

@@ -156,7 +156,7 @@ class OutputRouter:
             skipped = text.count("\n", 0, cut)
             self.skipped_lines += skipped
             text = (f"[accelnb: skipped {skipped:,} lines of rank {rank} {stream} to keep the notebook "
-                    "responsive; the launch result keeps them]\n" + text[cut:])
+                    f"responsive; accelnb.last_result().output({rank}) has every line]\n" + text[cut:])
             state.at_line_start = True
         if self.prefix:
             text, state.at_line_start = _prefix_lines(text, f"[rank {rank}] ", state.at_line_start)

@@ -11,7 +11,7 @@ import os
 import re
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_OUR_THREADS = ("in flush_forever", "in read_forever")
+_OUR_THREADS = ("in flush_forever", "in read_forever", "in wait_then_die")  # worker.py's threads
 _THREAD_HEADER = re.compile(r"^(Thread 0x[0-9a-f]+|Current thread 0x[0-9a-f]+)")
 
 

@@ -36,6 +36,7 @@ from accelnb.result_pickling import dumps_for_kernel
 
 FLUSH_INTERVAL_S = 0.05
 STREAM_BUFFER_BYTES = 1 << 16
+SIGTERM_FLUSH_LIMIT_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,7 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int | None) -> int:
     """Run one worker to its end; returns the exit code."""
+    _flush_before_dying_of_sigterm()  # first: threads started from here on inherit the mask
     os.environ.update(spec.env)
     _chdir_quietly(spec.cwd)
     sys.path[:] = spec.sys_path
@@ -103,7 +105,6 @@ def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int |
     # No destroy_process_group(): we leave with os._exit right after, and the OS closes the
     # sockets and frees device memory just the same. gloo's destroy alone spends ~20 ms waiting,
     # a third of a one-shot launch.
-    metrics_worker.flush()
     _finish(flusher)
     return exit_code
 
@@ -119,14 +120,10 @@ def _run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
         if isinstance(error, SystemExit) and error.code in (0, None):
             data = None
         else:
-            metrics_worker.flush()
-            sys.stdout.flush()
-            sys.stderr.flush()
+            _flush_streams_and_metrics()
             events.send(_describe_error(rank, call.call_id, error))
             return False
-    metrics_worker.flush()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    _flush_streams_and_metrics()
     events.send(CallResult(rank, call.call_id, data, time.perf_counter() - started))
     return True
 
@@ -207,15 +204,44 @@ def _start_flusher() -> threading.Event:
 
     def flush_forever() -> None:
         while not stop.wait(FLUSH_INTERVAL_S):
-            for stream in (sys.stdout, sys.stderr):
-                try:
-                    stream.flush()
-                except Exception:  # a user may have replaced or closed the stream
-                    pass
-            metrics_worker.flush()
+            _flush_streams_and_metrics()
 
     threading.Thread(target=flush_forever, name="accelnb-flush", daemon=True).start()
     return stop
+
+
+def _flush_before_dying_of_sigterm() -> None:
+    """Die of accelnb's SIGTERM only after flushing output and metrics.
+
+    The supervisor SIGTERMs the other ranks when one fails; dying at once would drop what they
+    printed or reported in their last 50 ms, often the very lines that explain the failure. So
+    SIGTERM is blocked in every thread but one, which waits for it, flushes (for at most a
+    second: a stream could be wedged), then lets it kill the process as before. A function that
+    ignores or handles SIGTERM itself keeps that behaviour; the supervisor's SIGKILL ends it.
+    """
+    terminate = {signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, terminate)
+    # Forked children (DataLoader workers) must not inherit the block.
+    os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, terminate))
+
+    def wait_then_die() -> None:
+        signal.sigwait(terminate)
+        flushing = threading.Thread(target=_flush_streams_and_metrics, daemon=True)
+        flushing.start()
+        flushing.join(SIGTERM_FLUSH_LIMIT_S)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, terminate)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+    threading.Thread(target=wait_then_die, name="accelnb-sigterm", daemon=True).start()
+
+
+def _flush_streams_and_metrics() -> None:
+    metrics_worker.flush()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # a user may have replaced or closed the stream
+            pass
 
 
 def _start_inbox_reader(inbox_fd: int) -> queue.Queue[Any]:
@@ -247,8 +273,4 @@ def _chdir_quietly(path: str) -> None:
 
 def _finish(flusher: threading.Event) -> None:
     flusher.set()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
+    _flush_streams_and_metrics()

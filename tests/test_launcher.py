@@ -17,6 +17,7 @@ from accelnb import (
     RankCrashed,
     RankFailed,
     UnpicklableError,
+    last_result,
     launch,
     notebook_launcher,
     synthetic_inventory,
@@ -127,6 +128,8 @@ def test_a_taken_master_port_is_a_clear_error_not_a_hang() -> None:
 def fail_on_rank_1() -> None:
     import torch.distributed as dist
 
+    print(f"rank {dist.get_rank()} was here")  # still in its buffer when the stop comes
+    dist.barrier()
     if dist.get_rank() == 1:
         raise KeyError("missing-key-on-rank-1")
     dist.barrier()
@@ -143,6 +146,10 @@ def test_an_exception_on_rank_1_keeps_its_type_and_traceback_and_stops_everyone(
     assert 'raise KeyError("missing-key-on-rank-1")' in message
     assert "worker.py" not in message and "zygote.py" not in message
     assert error.root_cause is not None and error.root_cause.rank == 1
+    after = last_result()
+    assert after is not None and after.values == {}
+    # Rank 0 was SIGTERMed in its barrier: it flushed its output before dying.
+    assert after.output(0) == "rank 0 was here\n" and after.output(1).startswith("rank 1 was here\n")
     wait_until_no_workers(5.0)
     assert time.monotonic() - started < 10
 
@@ -225,6 +232,21 @@ def test_output_all_prefixes_every_rank(capfd: pytest.CaptureFixture[str]) -> No
     launch(lambda: print("hello"), num_processes=2, quiet=True, output="all")
     shown = capfd.readouterr().out
     assert "[rank 0] hello" in shown and "[rank 1] hello" in shown
+
+
+def test_a_flood_is_thinned_in_the_cell_and_kept_whole_in_last_result(capfd: pytest.CaptureFixture[str]) -> None:
+    def flood() -> str:
+        for i in range(200_000):
+            print(f"line {i}")
+        return "done"
+
+    assert notebook_launcher(flood, num_processes=2, quiet=True) == "done"
+    shown = capfd.readouterr().out
+    assert "accelnb.last_result().output(0) has every line]" in shown
+    assert shown.count("\n") < 100_000 and shown.endswith("line 199999\n")
+    result = last_result()
+    assert result is not None and result.value == "done"
+    assert result.output(0).count("\n") == 200_000 and result.output(0).startswith("line 0\n")
 
 
 def test_tqdm_progress_collapses_to_its_latest_state(capfd: pytest.CaptureFixture[str]) -> None:

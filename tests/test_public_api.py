@@ -11,8 +11,8 @@ EXPECTED = {
     "AccelerateTracker", "AccelnbError", "GpuInfo", "GpuSelectionError", "Inventory", "LaunchConfigError",
     "LaunchFailed", "LaunchPlan", "LaunchResult", "LaunchTimeout", "MetricHistory", "Panel", "PortInUseError",
     "RankCrashed", "RankFailed", "RankFailure", "RankSpec", "Selection", "UnpicklableError", "WorkerStartError",
-    "current_selection", "launch", "notebook_launcher", "plan", "prewarm", "progress", "read_inventory", "report",
-    "set_selection", "synthetic_inventory",
+    "current_selection", "last_result", "launch", "notebook_launcher", "plan", "prewarm", "progress",
+    "read_inventory", "report", "set_selection", "synthetic_inventory",
 }
 
 
