@@ -160,7 +160,7 @@ class WorkerGroup:
                 if failures:
                     if self.persistent and self._all_answer(results, failures, ANSWER_WAIT_S):
                         raise build_exception(failures, (), self.output.live_ranks)
-                    stopped = self.stop(FAILURE_GRACE_S, failures)
+                    stopped = [r for r in self.stop(FAILURE_GRACE_S, failures) if r not in results]
                     raise build_exception(failures, stopped, self.output.live_ranks,
                                           session_ended=self.persistent)
                 if len(results) == len(self.workers):
@@ -311,7 +311,8 @@ class WorkerGroup:
             _signal_group(worker, signal.SIGKILL)  # the rank's own children, if any survive
         stopped_ranks = [r for r in stopped if not any(f.rank == r for f in failures)]
         for worker in self.workers:
-            if worker.rank in stopped_ranks:  # ended by us, not failed by itself
+            finished = worker.state is not None and worker.state.phase == "done"
+            if worker.rank in stopped_ranks and not finished:  # ended by us, not failed by itself
                 self._set_phase(worker, "stopped")
         return stopped_ranks
 

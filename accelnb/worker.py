@@ -99,6 +99,12 @@ def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int |
         succeeded = _run_call(spec.rank, command, events)
         if not spec.persistent:
             exit_code = 0 if succeeded else 1
+            if succeeded:
+                # init_process_group does not wait for the last rank to finish connecting (to
+                # rank 0's store, to each gloo pair), so a function without collectives can
+                # return here while a peer still needs us. Leave on the kernel's Shutdown, sent
+                # once every rank has answered.
+                continue
             break
         # A persistent session survives an exception in a cell; the kernel decides whether
         # the group is still usable (every rank answered) or must be torn down.

@@ -74,6 +74,24 @@ def test_closures_lambdas_and_local_classes_travel() -> None:
     assert notebook_launcher(lambda: "λ", num_processes=2, quiet=True) == "λ"
 
 
+def test_a_rank_that_returns_first_stays_until_every_rank_answered() -> None:
+    # init_process_group does not wait for the last rank to finish connecting; rank 0 serves the
+    # store, so it must not leave while a peer still needs it (here, on purpose, after a delay).
+    def handoff() -> str:
+        import time
+
+        import torch.distributed as dist
+
+        store = dist.distributed_c10d._get_default_store()
+        if dist.get_rank() == 0:
+            store.set("greeting", "hi")
+            return "set"
+        time.sleep(0.5)
+        return bytes(store.get("greeting")).decode()
+
+    assert launch(handoff, num_processes=2, quiet=True).values == {0: "set", 1: "hi"}
+
+
 def test_tensors_and_modules_come_back_on_the_cpu() -> None:
     def build() -> torch.nn.Module:
         torch.manual_seed(0)
