@@ -86,14 +86,33 @@ class Session:
         """End every worker and free their resources."""
         self._group.shutdown()
 
-    def status(self) -> str:
-        """Ranks, devices, pids and memory, as ``%distributed status`` shows them."""
+    def status(self, inventory: Inventory | None = None) -> str:
+        """Ranks, devices, pids and memory (host, and GPU where a rank has one), as
+        ``%distributed status`` shows them. GPU memory comes from NVML, as nvidia-smi's."""
+        gpus_now = None if self.plan.simulated_gpus or all(r.gpu is None for r in self.plan.ranks) \
+            else (inventory or read_inventory())
         lines = [f"accelnb session: {len(self.plan.ranks)} rank(s), backend {self.plan.backend}, "
                  f"{'running' if self.alive else 'ended'}"]
         for worker, spec in zip(self._group.workers, self.plan.ranks, strict=True):
             try:
-                rss = f"{psutil.Process(worker.pid).memory_info().rss / 2**20:.0f} MiB"
+                rss = f"{psutil.Process(worker.pid).memory_info().rss / 2**20:,.0f} MiB"
             except psutil.Error:
                 rss = "gone"
-            lines.append(f"  {spec.describe(self.plan.simulated_gpus)}  pid {worker.pid}  memory {rss}")
+            line = f"  {spec.describe(self.plan.simulated_gpus)}  pid {worker.pid}  memory {rss}"
+            if gpus_now is not None and spec.gpu is not None:
+                line += f"  GPU memory {_gpu_memory_of(worker.pid, spec.gpu.uuid, gpus_now)}"
+            lines.append(line)
         return "\n".join(lines)
+
+
+def _gpu_memory_of(pid: int, gpu_uuid: str, inventory: Inventory) -> str:
+    gpu = next((g for g in inventory.gpus if g.uuid == gpu_uuid), None)
+    if gpu is None:
+        return "unknown (GPU not found by NVML)"
+    total = f"of {gpu.memory_total / 2**20:,.0f} MiB"
+    mine = [p for p in gpu.processes if p.pid == pid]
+    if not mine:
+        return f"none listed for this pid {total}"  # no CUDA context yet (or NVML sees host pids)
+    if mine[0].memory_used is None:
+        return f"in use, amount not reported by the driver, {total}"
+    return f"{mine[0].memory_used / 2**20:,.0f} MiB {total}"
