@@ -9,6 +9,7 @@ running launch to stop; it is safe to call from any thread (a widget callback, a
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable
@@ -25,6 +26,15 @@ class RankState:
     phase: RankPhase = "starting"
     pid: int | None = None
     detail: str = ""  # failure summary, exit signal…
+
+
+# Run ids only grow, so a display can tell a new run from the one it shows even when the
+# new run's objects reuse the old one's memory (id() would repeat).
+_run_ids = itertools.count(1)
+
+
+def next_run_id() -> int:
+    return next(_run_ids)
 
 
 @dataclass

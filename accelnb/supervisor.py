@@ -129,7 +129,7 @@ class WorkerGroup:
                 self._fd_owner[fd] = (worker, name)
         self._selector.register(self.helper.fileno(), selectors.EVENT_READ)
         self.run = run_state.RunState(
-            run_id=id(self),
+            run_id=run_state.next_run_id(),
             ranks=[run_state.RankState(w.rank, w.spec.device, "starting", w.pid) for w in self.workers])
         for worker, state in zip(self.workers, self.run.ranks, strict=True):
             worker.state = state

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -61,7 +62,17 @@ class WorkerSpec:
 
 def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int | None) -> int:
     """Run one worker to its end; returns the exit code."""
-    _flush_before_dying_of_sigterm()  # first: threads started from here on inherit the mask
+    try:
+        return _serve(spec, inbox_fd, events_fd, store_fd)
+    except SystemExit as leaving:  # the function's own SIGTERM handler, run between calls
+        _flush_streams_and_metrics()
+        return leaving.code if isinstance(leaving.code, int) else int(leaving.code is not None)
+
+
+def _serve(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int | None) -> int:
+    commands: queue.Queue[Any] = queue.Queue()
+    # First: threads started from here on inherit its signal mask.
+    terminating = _flush_before_dying_of_sigterm(wake=lambda: commands.put(None))
     os.environ.update(spec.env)
     _chdir_quietly(spec.cwd)
     sys.path[:] = spec.sys_path
@@ -71,7 +82,7 @@ def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int |
     faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)
     events = channel.MessageWriter(events_fd)
     metrics_worker.attach(events, spec.rank)
-    commands = _start_inbox_reader(inbox_fd)
+    _start_inbox_reader(inbox_fd, commands)
     flusher = _start_flusher()
 
     import torch
@@ -99,7 +110,7 @@ def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int |
         succeeded = _run_call(spec.rank, command, events)
         if not spec.persistent:
             exit_code = 0 if succeeded else 1
-            if succeeded:
+            if succeeded and not terminating.is_set():
                 # init_process_group does not wait for the last rank to finish connecting (to
                 # rank 0's store, to each gloo pair), so a function without collectives can
                 # return here while a peer still needs us. Leave on the kernel's Shutdown, sent
@@ -216,29 +227,39 @@ def _start_flusher() -> threading.Event:
     return stop
 
 
-def _flush_before_dying_of_sigterm() -> None:
-    """Die of accelnb's SIGTERM only after flushing output and metrics.
+def _flush_before_dying_of_sigterm(wake: Callable[[], None]) -> threading.Event:
+    """Die of accelnb's SIGTERM only after flushing output and metrics; returns "SIGTERM came".
 
     The supervisor SIGTERMs the other ranks when one fails; dying at once would drop what they
     printed or reported in their last 50 ms, often the very lines that explain the failure. So
     SIGTERM is blocked in every thread but one, which waits for it, flushes (for at most a
-    second: a stream could be wedged), then lets it kill the process as before. A function that
-    ignores or handles SIGTERM itself keeps that behaviour; the supervisor's SIGKILL ends it.
+    second: a stream could be wedged), then re-raises it for the disposition the function left:
+
+    - the default: the process dies of SIGTERM, as it would have without us;
+    - ignored: nothing happens, and the supervisor's SIGKILL ends the rank after its grace;
+    - a handler of the function's own (a checkpoint on pre-emption): Python runs it in the main
+      thread at its next Python instruction, then the worker leaves instead of waiting for more
+      work. ``wake`` unblocks a worker idle between calls so that the handler gets to run.
     """
     terminate = {signal.SIGTERM}
+    received = threading.Event()
     signal.pthread_sigmask(signal.SIG_BLOCK, terminate)
     # Forked children (DataLoader workers) must not inherit the block.
     os.register_at_fork(after_in_child=lambda: signal.pthread_sigmask(signal.SIG_UNBLOCK, terminate))
 
     def wait_then_die() -> None:
         signal.sigwait(terminate)
+        received.set()
         flushing = threading.Thread(target=_flush_streams_and_metrics, daemon=True)
         flushing.start()
         flushing.join(SIGTERM_FLUSH_LIMIT_S)
+        if callable(signal.getsignal(signal.SIGTERM)):
+            wake()
         signal.pthread_sigmask(signal.SIG_UNBLOCK, terminate)
         signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
 
     threading.Thread(target=wait_then_die, name="accelnb-sigterm", daemon=True).start()
+    return received
 
 
 def _flush_streams_and_metrics() -> None:
@@ -250,9 +271,8 @@ def _flush_streams_and_metrics() -> None:
             pass
 
 
-def _start_inbox_reader(inbox_fd: int) -> queue.Queue[Any]:
+def _start_inbox_reader(inbox_fd: int, commands: queue.Queue[Any]) -> None:
     """Commands arrive on a thread, so that end of file (the kernel died) ends us at once."""
-    commands: queue.Queue[Any] = queue.Queue()
 
     def read_forever() -> None:
         while True:
@@ -267,7 +287,6 @@ def _start_inbox_reader(inbox_fd: int) -> queue.Queue[Any]:
             commands.put(message)
 
     threading.Thread(target=read_forever, name="accelnb-inbox", daemon=True).start()
-    return commands
 
 
 def _chdir_quietly(path: str) -> None:

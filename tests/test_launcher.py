@@ -23,6 +23,7 @@ from accelnb import (
     synthetic_inventory,
 )
 from accelnb.errors import LaunchConfigError
+from accelnb.supervisor import FAILURE_GRACE_S
 from tests.conftest import wait_until_no_workers, worker_processes
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -170,6 +171,38 @@ def test_an_exception_on_rank_1_keeps_its_type_and_traceback_and_stops_everyone(
     assert after.output(0) == "rank 0 was here\n" and after.output(1).startswith("rank 1 was here\n")
     wait_until_no_workers(5.0)
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize("rank_0_still_busy", [True, False], ids=["rank0-busy", "rank0-returned"])
+def test_a_functions_own_sigterm_handler_runs_when_accelnb_stops_its_rank(rank_0_still_busy: bool) -> None:
+    def save_on_sigterm_then_fail_on_rank_1() -> None:  # defined here: shipped by value, no import
+        import signal
+        import sys
+        import time
+
+        import torch.distributed as dist
+
+        def save_checkpoint(signum: int, frame: object) -> None:
+            print(f"rank {dist.get_rank()} saved a checkpoint on signal {signum}")
+            sys.exit(0)
+
+        signal.signal(signal.SIGTERM, save_checkpoint)  # the usual pre-emption handler
+        dist.barrier()
+        if dist.get_rank() == 1:
+            time.sleep(0.5)  # rank 0 has answered by now, or is deep in its loop
+            raise KeyError("missing-key-on-rank-1")
+        while rank_0_still_busy:  # a training loop: Python runs between steps
+            time.sleep(0.01)
+
+    launch(lambda: None, num_processes=2, quiet=True)  # warm: what is timed below is this run
+    started = time.monotonic()
+    with pytest.raises(KeyError, match="Rank 1 failed"):
+        launch(save_on_sigterm_then_fail_on_rank_1, num_processes=2, quiet=True)
+    after = last_result()
+    assert after is not None
+    assert after.output(0) == f"rank 0 saved a checkpoint on signal {int(signal.SIGTERM)}\n"
+    assert time.monotonic() - started < FAILURE_GRACE_S  # it left on its own, before the SIGKILL
+    assert wait_until_no_workers(5.0) < 5.0
 
 
 def test_a_segfault_is_reported_with_the_signal_name() -> None:
