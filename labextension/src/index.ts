@@ -1,26 +1,32 @@
 /**
- * accelnb's JupyterLab extension: the "GPUs" side panel.
+ * accelnb's JupyterLab extension: the "GPUs" side panel and a toolbar item on each notebook.
  *
- * One plugin, `accelnb:gpu-panel`. The panel follows the active notebook and talks to its
- * kernel over the `accelnb.gpus` comm (see `model.ts`, and `accelnb/lab_bridge.py` for the
- * kernel side and the protocol).
+ * One plugin, `accelnb-labextension:gpu-panel`. The panel follows the active notebook; each notebook's
+ * toolbar item shows that notebook's selection. Both talk to the kernel over the
+ * `accelnb.gpus` comm (see `model.ts`, and `accelnb/lab_bridge.py` for the kernel side and
+ * the protocol).
  */
 
 import { ILayoutRestorer, JupyterFrontEnd, JupyterFrontEndPlugin } from '@jupyterlab/application';
-import { ICommandPalette } from '@jupyterlab/apputils';
+import { ICommandPalette, IToolbarWidgetRegistry } from '@jupyterlab/apputils';
 import { INotebookTracker, NotebookPanel } from '@jupyterlab/notebook';
+import { ISettingRegistry } from '@jupyterlab/settingregistry';
 
 import { GpuPanelModel } from './model';
+import { GpuToolbarItem } from './toolbar';
 import { GpuPanelView, gpuIcon } from './view';
 
 const PANEL_ID = 'accelnb-gpu-panel';
 const OPEN_COMMAND = 'accelnb:open-gpu-panel';
+const TOOLBAR_ITEM = 'accelnb-gpus'; // as named in schema/gpu-panel.json (the plugin id's suffix)
 
 function activateGpuPanel(
   app: JupyterFrontEnd,
   notebooks: INotebookTracker,
   restorer: ILayoutRestorer | null,
-  palette: ICommandPalette | null
+  palette: ICommandPalette | null,
+  toolbars: IToolbarWidgetRegistry | null,
+  settings: ISettingRegistry | null
 ): void {
   const model = new GpuPanelModel();
   const view = new GpuPanelView(model);
@@ -36,6 +42,20 @@ function activateGpuPanel(
   notebooks.currentChanged.connect((_, panel) => follow(panel));
   follow(notebooks.currentWidget);
 
+  // The notebook toolbar is built from settings (this plugin's schema names the item), so
+  // users can move or hide it like any other toolbar item.
+  if (toolbars) {
+    toolbars.addFactory<NotebookPanel>(
+      'Notebook',
+      TOOLBAR_ITEM,
+      panel => new GpuToolbarItem(panel.sessionContext, () => void app.commands.execute(OPEN_COMMAND))
+    );
+  }
+  if (settings) {
+    // Loading our schema is what makes the toolbars see the item it declares.
+    void settings.load(gpuPanelPlugin.id);
+  }
+
   app.commands.addCommand(OPEN_COMMAND, {
     label: 'Show the GPUs panel',
     execute: () => app.shell.activateById(PANEL_ID)
@@ -46,11 +66,11 @@ function activateGpuPanel(
 }
 
 const gpuPanelPlugin: JupyterFrontEndPlugin<void> = {
-  id: 'accelnb:gpu-panel',
+  id: 'accelnb-labextension:gpu-panel',
   description: 'A side panel to choose the GPUs of the next accelnb launch and follow its ranks.',
   autoStart: true,
   requires: [INotebookTracker],
-  optional: [ILayoutRestorer, ICommandPalette],
+  optional: [ILayoutRestorer, ICommandPalette, IToolbarWidgetRegistry, ISettingRegistry],
   activate: activateGpuPanel
 };
 

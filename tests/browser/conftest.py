@@ -120,6 +120,10 @@ def lab_server(tmp_path_factory: pytest.TempPathFactory, built_extension: Path) 
                JUPYTER_CONFIG_DIR=str(dirs["config"]), JUPYTER_DATA_DIR=str(dirs["data"]),
                JUPYTER_RUNTIME_DIR=str(dirs["runtime"]), JUPYTERLAB_SETTINGS_DIR=str(dirs["settings"]),
                JUPYTERLAB_WORKSPACES_DIR=str(dirs["workspaces"]),
+               # The data directory above, with the working tree's build, before the venv's
+               # copy that `pip install -e .` made (which would win in a venv by default, and
+               # can be older than the last `jlpm build:prod`).
+               JUPYTER_PREFER_ENV_PATH="0",
                ACCELNB_SYNTHETIC_GPUS=str(SYNTHETIC_GPUS),
                # Kernels import accelnb from this working tree, installed or not.
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
@@ -134,6 +138,7 @@ def lab_server(tmp_path_factory: pytest.TempPathFactory, built_extension: Path) 
     server = LabServer(f"http://127.0.0.1:{port}", token, dirs["notebooks"], process)
     try:
         _wait_until_up(server, log_path)
+        _check_it_serves(server, built_extension)
         yield server
     finally:
         process.terminate()
@@ -198,3 +203,17 @@ def _wait_until_up(server: LabServer, log_path: Path, timeout: float = 60) -> No
         except (urllib.error.URLError, ConnectionError):
             time.sleep(0.2)
     pytest.fail(f"JupyterLab did not answer within {timeout} s:\n{log_path.read_text()[-3000:]}")
+
+
+def _check_it_serves(server: LabServer, built_extension: Path) -> None:
+    """Fail unless JupyterLab loads the extension from the working tree's build."""
+    request = urllib.request.Request(f"{server.url}/lab", headers={"Authorization": f"token {server.token}"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        page = response.read().decode()
+    config_script = page.split('id="jupyter-config-data"', 1)[1].split(">", 1)[1]
+    config = json.loads(config_script.split("</script>", 1)[0])
+    served = {ext["name"]: ext["load"] for ext in config["federated_extensions"]}
+    built = json.loads((built_extension / "package.json").read_text())["jupyterlab"]["_build"]["load"]
+    if served.get("accelnb-labextension") != built:
+        pytest.fail(f"JupyterLab serves accelnb-labextension from {served.get('accelnb-labextension')}, "
+                    f"not the working tree's build ({built}): another copy shadows it", pytrace=False)

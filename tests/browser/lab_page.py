@@ -34,6 +34,10 @@ class LabPage:
     def output(self, index: int) -> Locator:
         return self.cell(index).locator(".jp-OutputArea")
 
+    def toolbar_item(self) -> Locator:
+        """The notebook toolbar's accelnb item (the next launch's selection)."""
+        return self.page.locator(".jp-NotebookPanel:visible .jp-NotebookPanel-toolbar .accelnb-GpuToolbarItem")
+
     def open_gpu_panel(self) -> Locator:
         self.page.locator(f'.jp-SideBar .lm-TabBar-tab[data-id="{PANEL_ID}"]').click()
         panel = self.page.locator(f"#{PANEL_ID}")

@@ -27,11 +27,13 @@ def test_panel_lists_gpus_and_selects_for_the_notebook(page: Page, lab_server: L
     lab.open_notebook(lab_server.notebook_url(path, "panel"))
     panel = lab.open_gpu_panel()
 
-    # Before accelnb is loaded the panel says what to do...
+    # Before accelnb is loaded the panel says what to do, and the toolbar shows nothing...
     expect(panel.locator(".accelnb-GpuPanel-status")).to_contain_text("%load_ext accelnb")
-    # ...and fills in once the user does it, without a reload.
+    expect(lab.toolbar_item()).to_be_hidden()
+    # ...and both fill in once the user does it, without a reload.
     lab.run_cell(0)
     expect(panel.locator("tr[data-gpu]")).to_have_count(SYNTHETIC_GPUS)
+    expect(lab.toolbar_item()).to_have_text(f"all {SYNTHETIC_GPUS} GPUs")
     expect(panel.locator(".accelnb-GpuPanel-synthetic")).to_contain_text("no real GPUs")
     expect(panel.locator(".accelnb-GpuPanel-magic")).to_have_text("%%distributed")
     expect(panel.locator('tr[data-gpu="1"]')).to_contain_text(re.compile(r"/ 80 GiB.*util 13%.*GPU-0000"))
@@ -39,6 +41,7 @@ def test_panel_lists_gpus_and_selects_for_the_notebook(page: Page, lab_server: L
     gpu_checkbox(panel, 1).check()
     gpu_checkbox(panel, 3).check()
     expect(panel.locator(".accelnb-GpuPanel-magic")).to_have_text("%%distributed --gpus 1,3")
+    expect(lab.toolbar_item()).to_have_text("GPUs 1,3")
     expect(gpu_checkbox(panel, 1)).to_be_checked()
     expect(gpu_checkbox(panel, 0)).not_to_be_checked()
 
@@ -57,14 +60,19 @@ def test_without_gpus_the_panel_asks_for_cpu_ranks(page: Page, lab_server: LabSe
     ])
     lab = LabPage(page)
     lab.open_notebook(lab_server.notebook_url(path, "cpu"))
-    panel = lab.open_gpu_panel()
     lab.run_cell(0)
+    # The notebook's toolbar says what the next launch lacks, and opens the panel.
+    expect(lab.toolbar_item()).to_have_text("no GPU: choose CPU ranks")
+    lab.toolbar_item().click()
+    panel = page.locator("#accelnb-gpu-panel")
+    expect(panel).to_be_visible()
     expect(panel.locator(".accelnb-GpuPanel-noGpu")).to_contain_text("No GPU found (no NVIDIA driver found)")
     expect(panel.locator(".accelnb-GpuPanel-synthetic")).to_have_count(0)
     ranks = panel.locator(".accelnb-GpuPanel-procs input")
     ranks.fill("3")
     ranks.press("Enter")
     expect(panel.locator(".accelnb-GpuPanel-magic")).to_have_text("%%distributed --procs 3")
+    expect(lab.toolbar_item()).to_have_text("3 CPU ranks")
     lab.run_cell(1)
     expect(lab.output(1)).to_contain_text("num_processes=3")
 
@@ -110,10 +118,12 @@ def test_stop_button_interrupts_a_running_cell(page: Page, lab_server: LabServer
     # The kernel is busy in the cell, yet the panel follows the run...
     expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_have_text("Run in progress")
     expect(panel.locator('.accelnb-GpuPanel-ranks tr[data-phase="running"]')).to_have_count(2)
+    expect(lab.toolbar_item()).to_have_text("GPUs 0,1 · running")
     # ...and its Stop button reaches the kernel (an interrupt, not a queued comm message).
     panel.locator(".accelnb-GpuPanel-stop").click()
     expect(lab.output(1)).to_contain_text("KeyboardInterrupt")
     expect(page.locator(".jp-StatusBar-Widget", has_text="| Idle").first).to_be_visible()
     expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_have_text("Last run: finished")
     expect(panel.locator('.accelnb-GpuPanel-ranks tr[data-phase="running"]')).to_have_count(0)
+    expect(lab.toolbar_item()).to_have_text("GPUs 0,1")
     page.screenshot(path=str(ARTIFACTS / "gpu-panel-stop.png"))

@@ -1,0 +1,33 @@
+"""What `pip install` gives a user: the JupyterLab extension, installed and enabled, no npm step.
+
+The test suite runs from the venv that ``scripts/setup`` made with ``pip install -e .``; the
+extension must be there as JupyterLab finds it, with the settings schema that puts the GPUs item
+on every notebook's toolbar.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import jupyter_core.paths
+
+EXTENSION = "accelnb-labextension"
+
+
+def test_jupyterlab_lists_the_extension_as_enabled_and_ok() -> None:
+    listing = subprocess.run([sys.executable, "-m", "jupyter", "labextension", "list"],
+                             capture_output=True, text=True, timeout=120, check=True)
+    text = re.sub(r"\x1b\[[0-9;]*m", "", listing.stdout + listing.stderr)  # no colours
+    assert re.search(rf"{EXTENSION} v\d+\.\d+\.\d+ enabled OK \(python, accelnb\)", text), text
+
+
+def test_the_installed_extension_declares_its_toolbar_item() -> None:
+    installed = [Path(p) / EXTENSION for p in jupyter_core.paths.jupyter_path("labextensions")
+                 if (Path(p) / EXTENSION).is_dir()]
+    assert installed, "accelnb's JupyterLab extension is not installed: run scripts/setup"
+    schema = json.loads((installed[0] / "schemas" / EXTENSION / "gpu-panel.json").read_text())
+    assert {"name": "accelnb-gpus", "rank": 990} in schema["jupyter.lab.toolbars"]["Notebook"]
