@@ -11,6 +11,7 @@ import base64
 import io
 import os
 import re
+import sys
 import warnings
 from pathlib import Path
 from typing import Any
@@ -65,13 +66,23 @@ def test_returned_history_equals_what_each_rank_reported() -> None:
 
 
 def test_history_to_pandas() -> None:
-    pandas = pytest.importorskip("pandas")
+    import pandas
+
     history = MetricHistory()
     history.add(MetricBatch(0, [(0, 1.0, {"loss": 2.0}), (None, 2.0, {"acc": 0.5})]))
     frame = history.to_pandas()
     assert list(frame.columns) == ["rank", "step", "time", "loss", "acc"]
     assert frame["step"].isna().tolist() == [False, True]
     assert frame["loss"].iloc[0] == 2.0 and pandas.isna(frame["loss"].iloc[1])
+
+
+def test_history_to_pandas_without_pandas_says_how_to_get_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "pandas", None)  # what an environment without pandas imports
+    history = MetricHistory()
+    history.add(MetricBatch(0, [(0, 1.0, {"loss": 2.0})]))
+    with pytest.raises(ImportError, match=r"needs pandas: pip install pandas \(or use \.records"):
+        history.to_pandas()
+    assert history.records == [{"rank": 0, "step": 0, "time": 1.0, "loss": 2.0}]
 
 
 def report_then_rank_1_raises() -> None:
