@@ -10,7 +10,8 @@ The helper (``zygote.py``) forks, points fds 1 and 2 at the kernel's pipes, and 
    port cannot be stolen and nothing listens beyond loopback);
 3. runs calls from its inbox (one for ``notebook_launcher``, many in a persistent session),
    answering each with a value or the remote traceback;
-4. tears the group down and exits. End of file on the inbox means the kernel is gone: exit now.
+4. leaves on the kernel's Shutdown (sent once every rank answered), with ``os._exit``: the OS
+   closes the group's sockets. End of file on the inbox means the kernel is gone: exit now.
 """
 
 from __future__ import annotations
