@@ -169,19 +169,20 @@ def run_on_group(group: WorkerGroup, payload: bytes, *, collect: Literal["rank0"
                             metrics=history,
                             outputs={rank: group.output.text_since(rank, marks[rank]) for rank in ranks})
 
+    succeeded = False
     try:
         pickled = group.call(payload, {0} if collect == "rank0" else set(ranks), timeout)
         if not group.persistent:
             group.shutdown()
-    except BaseException as error:
-        if isinstance(error, LaunchFailed):
-            error.metrics = history  # what was reported before the failure is not lost
-        group.output.tick(force=True)
-        _last_result = outcome({})
+        succeeded = True
+    except LaunchFailed as failure:
+        failure.metrics = history  # what was reported before the failure is not lost
         raise
     finally:
         group.output.tick(force=True)
         view.close()
+        if not succeeded:  # failed or interrupted: keep what the ranks printed and reported
+            _last_result = outcome({})
     values = {rank: loads_in_kernel(data) for rank, data in pickled.items() if data is not None}
     _last_result = outcome(values)
     return _last_result

@@ -106,7 +106,7 @@ class Session:
 
 
 def _gpu_memory_of(pid: int, gpu_uuid: str, inventory: Inventory) -> str:
-    gpu = next((g for g in inventory.gpus if g.uuid == gpu_uuid), None)
+    gpu = inventory.by_uuid(gpu_uuid)
     if gpu is None:
         return "unknown (GPU not found by NVML)"
     total = f"of {gpu.memory_total / 2**20:,.0f} MiB"
