@@ -178,6 +178,10 @@ def run_on_group(group: WorkerGroup, payload: bytes, *, collect: Literal["rank0"
     except LaunchFailed as failure:
         failure.metrics = history  # what was reported before the failure is not lost
         raise
+    except KeyboardInterrupt as interrupt:
+        # The stop button: the supervisor's frames would fill the cell and explain nothing;
+        # the message says what happened.
+        raise KeyboardInterrupt(*interrupt.args) from None
     finally:
         group.output.tick(force=True)
         view.close()

@@ -210,12 +210,14 @@ def test_stop_ends_a_real_run_and_leaves_no_process(make_panel: Callable[..., Pa
 
     clicker = threading.Thread(target=click_when_running)
     clicker.start()
-    with pytest.raises(KeyboardInterrupt, match="accelnb stopped the run"):
+    with pytest.raises(KeyboardInterrupt, match="accelnb stopped the run") as info:
         launch(_sleep_long, num_processes=2, quiet=True)
     stopped_after = time.monotonic() - clicked[0]
     clicker.join()
 
     assert stopped_after < 5, f"the run took {stopped_after:.1f} s to stop"
+    # The cell's traceback ends at the launcher, not deep in the supervisor's wait loop.
+    assert [entry.path.name for entry in info.traceback][-1] == "launcher.py"
     assert wait_until_no_workers(5.0) < 5.0 and worker_processes() == []
     assert panel.stop_button.disabled and panel.run_title.value.startswith("<b>Last run</b>")
     # Ranks the Stop button ended were stopped, not failed: their SIGTERM exit is ours.
