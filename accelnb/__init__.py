@@ -7,7 +7,6 @@ or ``%load_ext accelnb`` and a ``%%distributed --gpus 0,1`` cell. Importing acce
 effects: no NVML, no CUDA, no threads, no processes until the first launch.
 """
 
-from accelnb.accelerate_tracker import AccelerateTracker
 from accelnb.errors import (
     AccelnbError,
     GpuSelectionError,
@@ -17,19 +16,20 @@ from accelnb.errors import (
     PortInUseError,
     RankCrashed,
     RankFailed,
+    RankFailure,
     UnpicklableError,
     WorkerStartError,
 )
-from accelnb.failures import RankFailure
-from accelnb.inventory import GpuInfo, Inventory, read_inventory, synthetic_inventory
-from accelnb.launch_result import LaunchResult
+from accelnb.kernel.helper_client import prewarm
+from accelnb.kernel.inventory import GpuInfo, Inventory, read_inventory, synthetic_inventory
+from accelnb.kernel.launch_result import LaunchResult
+from accelnb.kernel.metrics_history import MetricHistory
+from accelnb.kernel.planning import LaunchPlan, RankSpec, plan
+from accelnb.kernel.selection import Selection, current_selection, set_selection
 from accelnb.launcher import last_result, launch, notebook_launcher
-from accelnb.metrics_history import MetricHistory
-from accelnb.metrics_worker import report
-from accelnb.planning import LaunchPlan, RankSpec, plan
-from accelnb.progress import progress
-from accelnb.selection import Selection, current_selection, set_selection
-from accelnb.zygote_client import prewarm
+from accelnb.worker.accelerate_tracker import AccelerateTracker
+from accelnb.worker.progress import progress
+from accelnb.worker.report import report
 
 __all__ = [
     "AccelerateTracker",
@@ -69,7 +69,7 @@ __all__ = [
 def __getattr__(name: str) -> object:
     # The widget panel pulls in ipywidgets: imported on first use, not with accelnb.
     if name == "Panel":
-        from accelnb.panel import Panel
+        from accelnb.notebook.panel import Panel
 
         return Panel
     raise AttributeError(f"module 'accelnb' has no attribute {name!r}")
@@ -78,8 +78,8 @@ def __getattr__(name: str) -> object:
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext accelnb``: the ``%%distributed`` magic, the side panel's comm target, and a
     head start for the worker helper process (so the first launch does not wait for torch)."""
-    from accelnb.lab_bridge import register_comm_target
-    from accelnb.magic import DistributedMagics
+    from accelnb.notebook.lab_bridge import register_comm_target
+    from accelnb.notebook.magic import DistributedMagics
 
     ipython.register_magics(DistributedMagics)  # type: ignore[attr-defined]
     register_comm_target(ipython)  # type: ignore[arg-type]

@@ -19,12 +19,33 @@ Every message says what happened, the likely cause, and how to fix it.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:
-    from accelnb.failures import RankFailure
+    from accelnb.kernel.metrics_history import MetricHistory
+
+
+FailureKind = Literal["exception", "signal", "exit", "stopped", "timeout"]
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """Why one rank did not finish."""
+
+    rank: int
+    pid: int | None
+    kind: FailureKind
+    summary: str  # one line: "ValueError: bad input", "killed by SIGSEGV"
+    traceback: str = ""  # the remote traceback, launcher frames removed
+    exit_code: int | None = None
+    signal_name: str | None = None
+    type_name: str | None = None
+    exception: bytes | None = field(default=None, repr=False)
+    output_tail: str = ""
+    timestamp: float = field(default_factory=time.time)
 
 
 class AccelnbError(Exception):
@@ -75,7 +96,7 @@ class LaunchFailed(AccelnbError, RuntimeError):
 
     message: str
     failures: Sequence[RankFailure] = field(default_factory=tuple)
-    metrics: Any = None  # the MetricHistory reported before the failure, set by the launcher
+    metrics: MetricHistory | None = None  # the MetricHistory reported before the failure, set by the launcher
 
     def __post_init__(self) -> None:
         Exception.__init__(self, self.message)

@@ -20,13 +20,14 @@ from typing import Any, Literal
 
 import psutil
 
-from accelnb import planning
 from accelnb.errors import LaunchConfigError
-from accelnb.inventory import Inventory, read_inventory
-from accelnb.launch_result import LaunchResult
-from accelnb.launcher import OutputMode, check_output_mode, run_on_group, start_workers
-from accelnb.payload import pack_call
-from accelnb.supervisor import WorkerGroup
+from accelnb.kernel import planning
+from accelnb.kernel.inventory import Inventory, read_inventory
+from accelnb.kernel.launch_result import LaunchResult
+from accelnb.kernel.payload import pack_call
+from accelnb.kernel.runs import OutputMode, run_on_group, start_workers
+from accelnb.kernel.supervisor import WorkerGroup
+from accelnb.launcher import check_output_mode, live_metrics_view
 
 
 class Session:
@@ -77,7 +78,8 @@ class Session:
         check_output_mode(output, timeout)
         payload = pack_call(function, args, kwargs or {})
         try:
-            return run_on_group(self._group, payload, collect=collect, timeout=timeout, output=output)
+            return run_on_group(self._group, payload, collect=collect, timeout=timeout, output=output,
+                                metrics_view=live_metrics_view)
         finally:
             if not self._group.usable:
                 self._group.close()

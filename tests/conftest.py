@@ -12,12 +12,12 @@ import nbformat
 import psutil
 import pytest
 
-from accelnb import zygote_client
+from accelnb.kernel import helper_client as helper_client
 
 
 def worker_processes() -> list[psutil.Process]:
     """Every live process below this process's worker helper (the workers and their children)."""
-    helper = zygote_client._shared
+    helper = helper_client._shared
     if helper is None or not helper.alive:
         return []
     try:

@@ -102,8 +102,8 @@ def kernel() -> Iterator[KernelSession]:
     manager, client = start_new_kernel(kernel_name="python3", env=env, cwd=str(REPO))
     try:
         session = KernelSession(client)
-        session.execute("import accelnb.lab_bridge as bridge; bridge.register_comm_target(get_ipython())\n"
-                        "from accelnb import selection, run_state")
+        session.execute("import accelnb.notebook.lab_bridge as bridge; bridge.register_comm_target(get_ipython())\n"
+                        "from accelnb.kernel import selection, run_state")
         yield session
     finally:
         client.stop_channels()

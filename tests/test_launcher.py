@@ -23,7 +23,7 @@ from accelnb import (
     synthetic_inventory,
 )
 from accelnb.errors import LaunchConfigError
-from accelnb.supervisor import FAILURE_GRACE_S
+from accelnb.kernel.supervisor import FAILURE_GRACE_S
 from tests.conftest import wait_until_no_workers, worker_processes
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -163,7 +163,7 @@ def test_an_exception_on_rank_1_keeps_its_type_and_traceback_and_stops_everyone(
     message = str(error)
     assert message.startswith("Rank 1 failed: KeyError: 'missing-key-on-rank-1'")
     assert 'raise KeyError("missing-key-on-rank-1")' in message
-    assert "worker.py" not in message and "zygote.py" not in message
+    assert "accelnb/worker/" not in message and "accelnb/kernel/" not in message
     assert error.root_cause is not None and error.root_cause.rank == 1
     after = last_result()
     assert after is not None and after.values == {}
@@ -244,7 +244,7 @@ def test_timeout_shows_every_ranks_stack_then_stops_all() -> None:
     message = str(info.value)
     assert "── rank 0 ──" in message and "── rank 1 ──" in message
     assert "in hang_in_collective" in message and "in barrier" in message
-    assert "accelnb/worker.py" not in message
+    assert "accelnb/worker/" not in message
     assert time.monotonic() - started < 2 + 5
     wait_until_no_workers(5.0)
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from accelnb.magic import DistributedMagics
+from accelnb.notebook.magic import DistributedMagics
 from tests.conftest import error_of, run_notebook, stream_text
 
 CELLS = {

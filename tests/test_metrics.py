@@ -20,10 +20,11 @@ import nbclient
 import nbformat
 import pytest
 
-from accelnb import LaunchFailed, launch, metrics_worker
-from accelnb.events import MetricBatch, ProgressBatch, ProgressState
-from accelnb.metrics_history import MetricHistory
-from accelnb.metrics_view import LiveMetricsView, TextSurface
+from accelnb import LaunchFailed, launch
+from accelnb.kernel.metrics_history import MetricHistory
+from accelnb.notebook.metrics_view import LiveMetricsView, TextSurface
+from accelnb.wire.events import MetricBatch, ProgressBatch, ProgressState
+from accelnb.worker import report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -112,15 +113,15 @@ def test_metrics_survive_a_failure() -> None:
 
 
 def test_report_outside_a_launch_warns_once_and_does_nothing() -> None:
-    assert metrics_worker._writer is None
-    metrics_worker._warned = False
+    assert report._writer is None
+    report._warned = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        metrics_worker.report(step=1, loss=0.5)
-        metrics_worker.report(step=2, loss=0.4)
+        report.report(step=1, loss=0.5)
+        report.report(step=2, loss=0.4)
     assert len(caught) == 1 and "outside a distributed launch" in str(caught[0].message)
     assert caught[0].filename == __file__  # points at the caller
-    assert not metrics_worker._pending
+    assert not report._pending
 
 
 def test_bad_values_say_what_to_do() -> None:
@@ -144,7 +145,7 @@ def _report_vector() -> None:
 
 
 def nested_progress() -> int:
-    from accelnb.progress import progress
+    from accelnb.worker.progress import progress
 
     seen = 0
     for _ in progress(range(3), desc="epoch"):
@@ -159,7 +160,7 @@ def nested_progress() -> int:
 
 
 def test_progress_bars_iterate_on_every_rank_and_rank_0_is_shown(capsys: pytest.CaptureFixture[str]) -> None:
-    from accelnb.progress import progress
+    from accelnb.worker.progress import progress
 
     assert launch(nested_progress, num_processes=2, quiet=True).values == {0: 34, 1: 34}
     shown = capsys.readouterr().out.splitlines()
@@ -219,8 +220,8 @@ def test_text_summary_outside_a_kernel() -> None:
 SETUP = """
 import time
 import accelnb
-from accelnb.progress import progress
-from accelnb.accelerate_tracker import AccelerateTracker
+from accelnb.worker.progress import progress
+from accelnb.worker.accelerate_tracker import AccelerateTracker
 """
 
 REPORT = """

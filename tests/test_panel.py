@@ -15,10 +15,12 @@ from dataclasses import replace
 
 import pytest
 
-from accelnb import kernel_messages, launch, run_state
-from accelnb.inventory import GpuInfo, GpuProcess, Inventory, synthetic_inventory
-from accelnb.panel import Panel, show_panel
-from accelnb.selection import Selection, clear_selection, current_selection, set_selection
+from accelnb import launch
+from accelnb.kernel import run_state
+from accelnb.kernel.inventory import GpuInfo, GpuProcess, Inventory, synthetic_inventory
+from accelnb.kernel.selection import Selection, clear_selection, current_selection, set_selection
+from accelnb.notebook import kernel_messages
+from accelnb.notebook.panel import Panel, show_panel
 from tests.conftest import wait_until_no_workers, worker_processes
 
 GIB = 2**30

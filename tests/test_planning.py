@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from accelnb import GpuSelectionError, LaunchConfigError, plan, synthetic_inventory
-from accelnb.inventory import Inventory
-from accelnb.selection import clear_selection, set_selection
+from accelnb.kernel.inventory import Inventory
+from accelnb.kernel.selection import clear_selection, set_selection
 
 EIGHT = synthetic_inventory(8)
 NONE = Inventory(source="none", note="no NVIDIA driver found")
@@ -98,7 +98,7 @@ def test_without_gpus_the_error_says_to_pass_num_processes() -> None:
 
 
 def test_gpus_hidden_by_the_kernels_cuda_visible_devices_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from accelnb.inventory import _kernel_visible_filter
+    from accelnb.kernel.inventory import _kernel_visible_filter
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")
     filtered = Inventory(gpus=tuple(_kernel_visible_filter(list(EIGHT.gpus))), source="nvml")

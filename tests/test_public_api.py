@@ -25,6 +25,6 @@ def test_all_is_pinned() -> None:
 def test_import_starts_nothing() -> None:
     code = ("import sys, threading, accelnb; "
             "print(threading.active_count(), 'torch' in sys.modules, 'pynvml' in sys.modules, "
-            "accelnb.zygote_client._shared is None)")
+            "accelnb.kernel.helper_client._shared is None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["1", "False", "False", "True"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from accelnb.inventory import GpuInfo, GpuProcess, Inventory
+from accelnb.kernel.inventory import GpuInfo, GpuProcess, Inventory
 from accelnb.session import Session, _gpu_memory_of
 
 MIB = 2**20

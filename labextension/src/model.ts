@@ -29,8 +29,8 @@ export type Connection =
 
 // A Python expression, evaluated silently in the kernel: is the comm target registered?
 const PROBE_EXPRESSION =
-  "__import__('sys').modules['accelnb.lab_bridge'].is_registered() " +
-  "if 'accelnb.lab_bridge' in __import__('sys').modules else False";
+  "__import__('sys').modules['accelnb.notebook.lab_bridge'].is_registered() " +
+  "if 'accelnb.notebook.lab_bridge' in __import__('sys').modules else False";
 
 export class GpuPanelModel {
   /** Emitted whenever `connection`, `state` or `error` changes. */

@@ -28,7 +28,7 @@ _record: dict[str, dict[str, Any]] = {}
 @pytest.fixture(scope="session")
 def helper_pid() -> int:
     """The kernel's worker helper, started once (its start is not part of any measurement)."""
-    from accelnb.zygote_client import shared_helper
+    from accelnb.kernel.helper_client import shared_helper
 
     return shared_helper().pid
 

@@ -67,7 +67,7 @@ class MetricBatch:
 
 @dataclass(frozen=True)
 class ProgressState:
-    """The state of one ``accelnb.progress`` bar on rank 0 at one moment."""
+    """The state of one ``accelnb.worker.progress`` bar on rank 0 at one moment."""
 
     bar_id: int
     position: int  # nesting depth when it opened (0: outermost); a newer bar takes over its line
@@ -85,7 +85,7 @@ class ProgressBatch(MetricBatch):
 
     A subclass, so that everything routing :class:`MetricBatch` events (the supervisor's
     ``isinstance`` dispatch, the launcher's metric sink) carries progress to the live view with
-    no change; :class:`~accelnb.metrics_history.MetricHistory` reads only ``records``.
+    no change; :class:`~accelnb.kernel.metrics_history.MetricHistory` reads only ``records``.
     """
 
     bars: list[ProgressState] = field(default_factory=list)

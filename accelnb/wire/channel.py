@@ -1,7 +1,7 @@
 """Length-prefixed pickled messages over a pipe: the only wire format between kernel and workers.
 
 Pipes are private to the processes that hold their ends, so nobody else can write into them;
-that is why no authentication is needed here (see the security notes in ``zygote.py``).
+that is why no authentication is needed here (see the security notes in ``worker/helper.py``).
 
     >>> reader = MessageReader()
     >>> reader.feed(encode(("hello", 1)) + encode("world"))

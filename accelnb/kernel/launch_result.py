@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from accelnb.metrics_history import MetricHistory
-from accelnb.planning import LaunchPlan
+from accelnb.kernel.metrics_history import MetricHistory
+from accelnb.kernel.planning import LaunchPlan
 
 
 @dataclass

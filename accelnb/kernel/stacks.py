@@ -10,8 +10,9 @@ from __future__ import annotations
 import os
 import re
 
-_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-_OUR_THREADS = ("in flush_forever", "in read_forever", "in wait_then_die")  # worker.py's threads
+# accelnb/ with a trailing separator: every frame under it is ours, whichever subpackage.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_OUR_THREADS = ("in flush_forever", "in read_forever", "in wait_then_die")  # accelnb.worker.main's threads
 _THREAD_HEADER = re.compile(r"^(Thread 0x[0-9a-f]+|Current thread 0x[0-9a-f]+)")
 
 
@@ -27,7 +28,7 @@ def clean_stack_dump(text: str) -> str:
         if any(marker in line for line in block for marker in _OUR_THREADS):
             continue
         for line in block:
-            if _PACKAGE_DIR in line or "<frozen runpy>" in line or line.startswith("Extension modules:"):
+            if _PACKAGE_ROOT in line or "<frozen runpy>" in line or line.startswith("Extension modules:"):
                 continue
             kept.append(line)
     return "\n".join(kept).strip("\n")

@@ -3,13 +3,13 @@
 :class:`WorkerGroup` asks the helper to fork one worker per rank, wires four pipes to each
 (stdout, stderr, events, inbox), and then waits in the launching thread, multiplexing every pipe
 and the helper's exit reports with one selector. While it waits it feeds output to the
-:class:`~accelnb.output.OutputRouter`, metrics to their sink, and rank states to ``run_state``.
+:class:`~accelnb.kernel.output.OutputRouter`, metrics to their sink, and rank states to ``run_state``.
 
 Endings, all of which leave no process and no bound port behind:
 
 - every rank answered: the call's values come back;
 - a rank raised or died: all others get SIGTERM, then SIGKILL after one shared grace deadline,
-  and :func:`~accelnb.failures.build_exception` explains the root cause;
+  and :func:`~accelnb.kernel.failure_report.build_exception` explains the root cause;
 - ``timeout=`` expired: SIGUSR1 makes faulthandler print every rank's stack, then the same stop;
 - the user interrupted (stop button, Ctrl-C, a panel's Stop): the same stop, faster, then
   ``KeyboardInterrupt``.
@@ -29,15 +29,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from accelnb import run_state
-from accelnb.channel import MessageReader, encode
-from accelnb.events import CallError, CallResult, Joined, MetricBatch, RunCall, Shutdown
-from accelnb.failures import RankFailure, build_exception, signal_failure
-from accelnb.output import OutputRouter
-from accelnb.planning import LaunchPlan
-from accelnb.stacks import clean_stack_dump
-from accelnb.worker import WorkerSpec
-from accelnb.zygote_client import WorkerHelper
+from accelnb.errors import RankFailure
+from accelnb.kernel import run_state
+from accelnb.kernel.failure_report import build_exception, signal_failure
+from accelnb.kernel.helper_client import WorkerHelper
+from accelnb.kernel.output import OutputRouter
+from accelnb.kernel.planning import LaunchPlan
+from accelnb.kernel.stacks import clean_stack_dump
+from accelnb.wire.channel import MessageReader, encode
+from accelnb.wire.events import CallError, CallResult, Joined, MetricBatch, RunCall, Shutdown
+from accelnb.wire.spec import WorkerSpec
 
 PIPE_SIZE = 1 << 20  # bigger pipes: fewer wake-ups for floods and large results
 FAILURE_GRACE_S = 3.0

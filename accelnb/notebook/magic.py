@@ -10,7 +10,7 @@
 Every option maps one-to-one onto a keyword of :func:`accelnb.launch`. The notebook names the
 cell reads are shipped to every rank by cloudpickle (modules are imported there instead), the
 names it assigns come back from rank 0, and the last result is ``_distributed`` (a
-:class:`~accelnb.launch_result.LaunchResult`, with ``.metrics``). Line forms manage persistent
+:class:`~accelnb.kernel.launch_result.LaunchResult`, with ``.metrics``). Line forms manage persistent
 sessions: ``%distributed start --procs 2``, ``status``, ``stop``, ``restart``, ``panel``.
 """
 
@@ -23,14 +23,14 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
-from accelnb.cell_analysis import assigned_names, used_names
-from accelnb.cell_runner import CellOutcome, CellRequest, run_cell
 from accelnb.errors import GpuSelectionError, LaunchConfigError
-from accelnb.launch_result import LaunchResult
+from accelnb.kernel.launch_result import LaunchResult
+from accelnb.kernel.payload import check_picklable
 from accelnb.launcher import launch
-from accelnb.payload import check_picklable
-from accelnb.result_pickling import loads_in_kernel
 from accelnb.session import Session
+from accelnb.wire.result_pickling import loads_in_kernel
+from accelnb.worker.cell_analysis import assigned_names, used_names
+from accelnb.worker.cell_runner import CellOutcome, CellRequest, run_cell
 
 RANK_NAMES = ("rank", "local_rank", "world_size", "device")
 # IPython's own bookkeeping names; never worth shipping.
@@ -185,7 +185,7 @@ class DistributedMagics(Magics):
                   "accelnb: no session. `%distributed start --procs 2` (or --gpus 0,1) starts one.")
             return None
         if command == "panel":
-            from accelnb.panel import show_panel
+            from accelnb.notebook.panel import show_panel
 
             return show_panel()
         raise UsageError(f"Unknown command {command!r}: use start, stop, status, restart or panel.")

@@ -3,7 +3,7 @@
 Nothing here starts a process, opens NVML or touches CUDA, so every rule about device mapping is
 testable on a machine without a GPU::
 
-    >>> from accelnb.inventory import synthetic_inventory
+    >>> from accelnb.kernel.inventory import synthetic_inventory
     >>> p = plan(gpus="3,4,5,7", inventory=synthetic_inventory(8))
     >>> [(r.rank, r.device, r.gpu.index) for r in p.ranks]
     [(0, 'cuda:0', 3), (1, 'cuda:1', 4), (2, 'cuda:2', 5), (3, 'cuda:3', 7)]
@@ -29,8 +29,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from accelnb.errors import GpuSelectionError, LaunchConfigError
-from accelnb.inventory import GpuInfo, Inventory
-from accelnb.selection import current_selection
+from accelnb.kernel.inventory import GpuInfo, Inventory
+from accelnb.kernel.selection import current_selection
 
 GpuSpec = str | int | Sequence[int | str] | None
 

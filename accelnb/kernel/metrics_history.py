@@ -17,7 +17,7 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
-from accelnb.events import MetricBatch
+from accelnb.wire.events import MetricBatch
 
 _NO_STEP = -(2**63)  # stands for step=None in the int64 step column
 

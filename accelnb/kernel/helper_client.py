@@ -1,4 +1,4 @@
-"""The kernel's handle on the worker helper process (see ``zygote.py`` for the why).
+"""The kernel's handle on the worker helper process (see ``worker/helper.py`` for the why).
 
 One helper serves a kernel for its whole life; it is started on first use (or ahead of time by
 :func:`prewarm`) and restarted if it died. Only the thread that launches talks to it.
@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from accelnb.errors import WorkerStartError
-from accelnb.worker import WorkerSpec
+from accelnb.wire.spec import WorkerSpec
 
 START_TIMEOUT_S = 120.0
 
@@ -32,11 +32,11 @@ class WorkerHelper:
     def __init__(self, preimports: Sequence[str] = ()) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # The helper must import this very accelnb, wherever the kernel found it.
-        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         python_path = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONPATH": python_path}
         self._process = subprocess.Popen(
-            [sys.executable, "-m", "accelnb.zygote", str(theirs.fileno()), *preimports],
+            [sys.executable, "-m", "accelnb.worker.helper", str(theirs.fileno()), *preimports],
             pass_fds=(theirs.fileno(),),
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
@@ -75,7 +75,7 @@ class WorkerHelper:
         return self._sock.fileno()
 
     def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[int]) -> list[int]:
-        """Fork one worker per spec; ``fds`` are their pipe ends in order (see zygote.py)."""
+        """Fork one worker per spec; ``fds`` are their pipe ends in order (see worker/helper.py)."""
         self.wait_ready()
         self._next_request += 1
         request = self._next_request

@@ -10,34 +10,12 @@ remote exception's type where possible: a ``ValueError`` on rank 1 is raised as 
 from __future__ import annotations
 
 import signal
-import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Literal
 
 import cloudpickle
 
-from accelnb.errors import LaunchFailed, LaunchTimeout, RankCrashed, RankFailed
-from accelnb.stacks import clean_stack_dump
-
-FailureKind = Literal["exception", "signal", "exit", "stopped", "timeout"]
-
-
-@dataclass(frozen=True)
-class RankFailure:
-    """Why one rank did not finish."""
-
-    rank: int
-    pid: int | None
-    kind: FailureKind
-    summary: str  # one line: "ValueError: bad input", "killed by SIGSEGV"
-    traceback: str = ""  # the remote traceback, launcher frames removed
-    exit_code: int | None = None
-    signal_name: str | None = None
-    type_name: str | None = None
-    exception: bytes | None = field(default=None, repr=False)
-    output_tail: str = ""
-    timestamp: float = field(default_factory=time.time)
+from accelnb.errors import LaunchFailed, LaunchTimeout, RankCrashed, RankFailed, RankFailure
+from accelnb.kernel.stacks import clean_stack_dump
 
 
 def signal_failure(rank: int, pid: int, exit_code: int, output_tail: str) -> RankFailure:

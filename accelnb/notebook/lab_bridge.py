@@ -2,8 +2,8 @@
 
 ``%load_ext accelnb`` calls :func:`register_comm_target`; from then on the panel (the
 ``accelnb-labextension`` JupyterLab extension) can open a comm to this kernel, show its GPUs,
-write the notebook-wide selection (:mod:`accelnb.selection`) and follow the run in progress
-(:mod:`accelnb.run_state`). This module only translates messages; it decides nothing.
+write the notebook-wide selection (:mod:`accelnb.kernel.selection`) and follow the run in progress
+(:mod:`accelnb.kernel.run_state`). This module only translates messages; it decides nothing.
 
     >>> register_comm_target(get_ipython())      # what %load_ext accelnb does
     >>> is_registered()
@@ -58,8 +58,8 @@ from typing import TYPE_CHECKING, Any
 
 import comm
 
-from accelnb import run_state, selection
-from accelnb.inventory import Inventory, read_inventory
+from accelnb.kernel import run_state, selection
+from accelnb.kernel.inventory import Inventory, read_inventory
 
 if TYPE_CHECKING:
     from comm.base_comm import BaseComm

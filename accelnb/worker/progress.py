@@ -1,9 +1,9 @@
 """A progress bar for launched functions, drawn in the notebook cell from rank 0's loop.
 
-    for batch in accelnb.progress(loader, desc="epoch 1"):      # inside the launched function
+    for batch in accelnb.worker.progress(loader, desc="epoch 1"):      # inside the launched function
         ...
 
-    with accelnb.progress(total=num_steps, desc="train") as bar:    # or updated by hand
+    with accelnb.worker.progress(total=num_steps, desc="train") as bar:    # or updated by hand
         while ...:
             bar.update()
 
@@ -25,8 +25,8 @@ from collections.abc import Iterable, Iterator
 from types import TracebackType
 from typing import Generic, TypeVar
 
-from accelnb import metrics_worker
-from accelnb.events import ProgressState
+from accelnb.wire.events import ProgressState
+from accelnb.worker import report
 
 T = TypeVar("T")
 
@@ -49,15 +49,15 @@ class Progress(Generic[T]):
         self.desc = desc
         self.n = 0
         self.closed = False
-        self._shown = metrics_worker.drives_progress()
+        self._shown = report.drives_progress()
         self._bar_id = next(_bar_ids)
         self._started = time.time()
         self._sent: tuple[int, bool] | None = None  # (n, closed) at the last snapshot
-        self._position = metrics_worker.open_bar(self._bar_id, self) if self._shown else 0
+        self._position = report.open_bar(self._bar_id, self) if self._shown else 0
 
     def __iter__(self) -> Iterator[T]:
         if self.iterable is None:
-            raise TypeError("accelnb.progress(total=…) without an iterable is updated with .update(n), "
+            raise TypeError("accelnb.worker.progress(total=…) without an iterable is updated with .update(n), "
                             "not iterated.")
         if not self._shown:
             return iter(self.iterable)
@@ -103,7 +103,7 @@ class Progress(Generic[T]):
 
     def __repr__(self) -> str:
         of = f"/{self.total}" if self.total is not None else ""
-        return f"<accelnb.progress {self.desc or ''!s} {self.n}{of}{' closed' if self.closed else ''}>"
+        return f"<accelnb.worker.progress {self.desc or ''!s} {self.n}{of}{' closed' if self.closed else ''}>"
 
 
 def progress(iterable: Iterable[T] | None = None, total: int | None = None,

@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
-from accelnb.result_pickling import dumps_for_kernel
+from accelnb.wire.result_pickling import dumps_for_kernel
 
 _namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
 
@@ -73,7 +73,7 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
             outcome.last_value = dumps_for_kernel(value)
         except Exception:
             outcome.last_value_repr = repr(value)
-    from accelnb.cell_analysis import assigned_names
+    from accelnb.worker.cell_analysis import assigned_names
 
     wanted = assigned_names(request.source) if request.return_names is None else request.return_names
     for name in wanted:

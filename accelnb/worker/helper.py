@@ -2,7 +2,7 @@
 
 Forking the kernel is fast but breaks as soon as the notebook touched CUDA; spawning fresh
 interpreters is safe but pays ``import torch`` (1–2 s) and torch's lazy imports on every launch.
-This helper is a fresh interpreter, started once per kernel by ``zygote_client.py``, that imports
+This helper is a fresh interpreter, started once per kernel by ``helper_client.py``, that imports
 torch (and what training touches first, such as ``torch._dynamo``) and then never touches CUDA
 nor starts a thread. Each worker is a fork of it: milliseconds, with everything pre-imported.
 
@@ -18,7 +18,7 @@ Protocol, over one private ``AF_UNIX``/``SOCK_SEQPACKET`` socketpair inherited f
 When the kernel's end closes (the kernel died or shut us down), every worker's process group is
 killed and the helper exits. Workers also get ``PR_SET_PDEATHSIG`` so they die with the helper.
 
-Run as ``python -m accelnb.zygote CONTROL_FD [MODULE …]``.
+Run as ``python -m accelnb.worker.helper CONTROL_FD [MODULE …]``.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from typing import Any
 PR_SET_PDEATHSIG = 1
 MAX_FDS_PER_MESSAGE = 250  # SCM_RIGHTS limit is 253
 DEFAULT_PREIMPORTS = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo",
-                      "torch.utils.data", "accelnb.worker")
+                      "torch.utils.data", "accelnb.worker.main")
 OPTIONAL_PREIMPORTS = ("accelerate",)
 
 
@@ -138,7 +138,7 @@ def _become_worker(spec: Any, fds: list[int], sock: socket.socket, own_fds: tupl
         os.dup2(stderr_fd, 2)
         os.close(stdout_fd)
         os.close(stderr_fd)
-        from accelnb.worker import worker_main
+        from accelnb.worker.main import worker_main
 
         code = worker_main(spec, inbox_fd, events_fd, store_fd)
     except BaseException:

@@ -8,14 +8,14 @@
 It shows every GPU of the machine (index as nvidia-smi numbers it, name, memory, utilisation,
 short UUID, processes), refreshed every few seconds by a background thread that only re-reads the
 inventory and sets widget values (ipykernel sends widget updates from any thread), so the kernel is
-never blocked. Ticking boxes sets the notebook-wide selection (:mod:`accelnb.selection`) that
+never blocked. Ticking boxes sets the notebook-wide selection (:mod:`accelnb.kernel.selection`) that
 ``%%distributed`` and ``notebook_launcher`` use when they are not told which GPUs; a change made
 elsewhere (another panel, the JupyterLab side panel, ``set_selection``) ticks the boxes here. With
 no GPU, a CPU-ranks control takes the table's place. A synthetic inventory is flagged in a banner.
 
 While a run goes, each rank's state (starting, running, done, failed, stopped) is shown, with a
 Stop button. A click reaches the kernel while the cell is still blocked in the launch because the
-panel registers :func:`accelnb.kernel_messages.let_comm_messages_through` as a launcher wait hook.
+panel registers :func:`accelnb.notebook.kernel_messages.let_comm_messages_through` as a launcher wait hook.
 
 ``close()`` ends the refresh thread and the subscriptions; a panel that is never closed keeps
 them for the life of the kernel (ipywidgets keeps every open widget alive anyway).
@@ -34,15 +34,16 @@ from typing import Any
 
 import ipywidgets as widgets
 
-from accelnb import kernel_messages, run_state
-from accelnb.inventory import GpuInfo, Inventory, read_inventory
-from accelnb.selection import (
+from accelnb.kernel import run_state
+from accelnb.kernel.inventory import GpuInfo, Inventory, read_inventory
+from accelnb.kernel.selection import (
     Selection,
     clear_selection,
     current_selection,
     on_selection_change,
     set_selection,
 )
+from accelnb.notebook import kernel_messages
 
 DEFAULT_REFRESH_S = 3.0
 GIB = 2**30

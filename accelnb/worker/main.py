@@ -1,6 +1,6 @@
 """What runs inside each worker process, from the fork in the helper to ``os._exit``.
 
-The helper (``zygote.py``) forks, points fds 1 and 2 at the kernel's pipes, and calls
+The helper (``worker/helper.py``) forks, points fds 1 and 2 at the kernel's pipes, and calls
 :func:`worker_main`. The worker then:
 
 1. takes its rank's environment (RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES, …), the kernel's cwd and
@@ -26,39 +26,22 @@ import threading
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
 import cloudpickle
 
-from accelnb import channel, metrics_worker
-from accelnb.events import CallError, CallResult, Joined, RunCall, Shutdown
-from accelnb.result_pickling import dumps_for_kernel
+from accelnb.wire import channel
+from accelnb.wire.events import CallError, CallResult, Joined, RunCall, Shutdown
+from accelnb.wire.result_pickling import dumps_for_kernel
+from accelnb.wire.spec import WorkerSpec
+from accelnb.worker import report
 
+# accelnb/ with a trailing separator: frames under it are ours, whichever subpackage.
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 FLUSH_INTERVAL_S = 0.05
 STREAM_BUFFER_BYTES = 1 << 16
 SIGTERM_FLUSH_LIMIT_S = 1.0
-
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything the helper hands one worker besides its file descriptors."""
-
-    rank: int
-    local_rank: int
-    world_size: int
-    device: str  # "cuda:N" or "cpu"
-    backend: str
-    env: dict[str, str]
-    master_addr: str
-    master_port: int
-    cwd: str
-    sys_path: list[str]
-    join_timeout_s: float = 300.0
-    persistent: bool = False
-    threads_per_rank: int = 1
-    holds_store: bool = False  # receives the bound rendezvous socket (rank 0 of a single node)
 
 
 def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int | None) -> int:
@@ -82,7 +65,7 @@ def _serve(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int | None
     faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)
     events = channel.MessageWriter(events_fd)
-    metrics_worker.attach(events, spec.rank)
+    report.attach(events, spec.rank)
     _start_inbox_reader(inbox_fd, commands)
     flusher = _start_flusher()
 
@@ -191,8 +174,7 @@ def _describe_error(rank: int, call_id: int | None, error: BaseException) -> Cal
 def _user_traceback(error: BaseException) -> str:
     """The traceback without this module's frames: the user should see only their code."""
     tb = error.__traceback__
-    package_dir = os.path.dirname(__file__)
-    while tb is not None and os.path.dirname(tb.tb_frame.f_code.co_filename) == package_dir:
+    while tb is not None and tb.tb_frame.f_code.co_filename.startswith(_PACKAGE_ROOT):
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(error), error, tb))
 
@@ -264,7 +246,7 @@ def _flush_before_dying_of_sigterm(wake: Callable[[], None]) -> threading.Event:
 
 
 def _flush_streams_and_metrics() -> None:
-    metrics_worker.flush()
+    report.flush()
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

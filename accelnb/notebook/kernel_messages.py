@@ -5,7 +5,7 @@ would only be seen after the launch ended. :func:`process_comm_messages` fixes t
 duration of a launch. The panels register it as a launcher wait hook, so the launcher calls it
 about twenty times a second from the thread that waits (the kernel's main thread)::
 
-    >>> from accelnb import run_state
+    >>> from accelnb.kernel import run_state
     >>> unregister = run_state.add_wait_hook(let_comm_messages_through)
 
 How, in ipykernel 7: a "shell channel" thread receives every shell message and forwards those

@@ -1,7 +1,7 @@
 """Route Accelerate's experiment tracking (``accelerator.log``) to accelnb's live view.
 
     from accelerate import Accelerator
-    from accelnb.accelerate_tracker import AccelerateTracker
+    from accelnb.worker.accelerate_tracker import AccelerateTracker
 
     def train():
         accelerator = Accelerator(log_with=AccelerateTracker())
@@ -30,7 +30,7 @@ import numbers
 from collections.abc import Mapping
 from typing import Any
 
-from accelnb import metrics_worker
+from accelnb.worker import report
 
 _tracker_class: type | None = None
 
@@ -72,10 +72,10 @@ class AccelerateTracker:
             if reserved in scalars:
                 scalars[f"{reserved}_"] = scalars.pop(reserved)
         if scalars:
-            metrics_worker.report(scalars, step=step)
+            report.report(scalars, step=step)
 
     def finish(self) -> None:
-        metrics_worker.flush()
+        report.flush()
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The GeneralTracker subclass is made at run time, so pickle by the public class.

@@ -4,13 +4,13 @@
     accelnb.report({"val/acc": acc}, step=step)      # the dict form, for names that are not identifiers
 
 Reports are appended to an in-process queue (well under a microsecond for float values) and sent to
-the kernel as one :class:`~accelnb.events.MetricBatch` per flush: the worker's flusher thread
+the kernel as one :class:`~accelnb.wire.events.MetricBatch` per flush: the worker's flusher thread
 calls :func:`flush` every 50 ms, and the worker once more after the call returns or raises, so
 what was reported before a failure still reaches the kernel. Reporting every step of a fast loop
 therefore costs the loop nothing measurable (``benchmarks/bench_metrics.py``).
 
-Progress bars (:mod:`accelnb.progress`) register here on rank 0; a flush that finds one changed
-sends a :class:`~accelnb.events.ProgressBatch` (a ``MetricBatch`` subclass, so the kernel routes
+Progress bars (:mod:`accelnb.worker.progress`) register here on rank 0; a flush that finds one changed
+sends a :class:`~accelnb.wire.events.ProgressBatch` (a ``MetricBatch`` subclass, so the kernel routes
 it like any metric batch) carrying their states.
 
 Outside a launch, ``report`` is a no-op that warns once.
@@ -26,8 +26,8 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any, Protocol
 
-from accelnb.channel import MessageWriter
-from accelnb.events import MetricBatch, ProgressBatch, ProgressState
+from accelnb.wire.channel import MessageWriter
+from accelnb.wire.events import MetricBatch, ProgressBatch, ProgressState
 
 Record = tuple[int | None, float, dict[str, float]]
 
@@ -44,7 +44,7 @@ _warned = False
 
 
 class ProgressSource(Protocol):
-    """What :mod:`accelnb.progress` registers: a bar the flusher can read."""
+    """What :mod:`accelnb.worker.progress` registers: a bar the flusher can read."""
 
     closed: bool
 
@@ -107,7 +107,7 @@ def flush() -> None:
         _writer.send(ProgressBatch(_rank, records, bars) if bars else MetricBatch(_rank, records))
 
 
-# ── progress bars (accelnb.progress) ────────────────────────────────────────────────────────
+# ── progress bars (accelnb.worker.progress) ────────────────────────────────────────────────────────
 def drives_progress() -> bool:
     """True in rank 0 of a launch: the one rank whose progress bars are shown."""
     return _writer is not None and _rank == 0

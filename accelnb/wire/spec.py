@@ -1,0 +1,29 @@
+"""What the kernel tells the helper about each worker it should fork: one :class:`WorkerSpec` per rank.
+
+Built on the kernel side from the plan (``accelnb.kernel.runs``), read on the worker side
+(``accelnb.worker.main``); the file descriptors travel beside it with ``SCM_RIGHTS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything the helper hands one worker besides its file descriptors."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    device: str  # "cuda:N" or "cpu"
+    backend: str
+    env: dict[str, str]
+    master_addr: str
+    master_port: int
+    cwd: str
+    sys_path: list[str]
+    join_timeout_s: float = 300.0
+    persistent: bool = False
+    threads_per_rank: int = 1
+    holds_store: bool = False  # receives the bound rendezvous socket (rank 0 of a single node)
