@@ -11,10 +11,8 @@ metric view to draw on, so nothing here imports the notebook UI.
 
 from __future__ import annotations
 
-import os
-import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 from accelnb.errors import LaunchFailed
@@ -25,9 +23,9 @@ from accelnb.kernel.metrics_history import MetricHistory
 from accelnb.kernel.output import OutputRouter, notebook_sink
 from accelnb.kernel.ports import bind_rendezvous_socket
 from accelnb.kernel.supervisor import WorkerGroup
+from accelnb.kernel.worker_specs import describe_start, worker_specs
 from accelnb.wire.events import MetricBatch
 from accelnb.wire.result_pickling import loads_in_kernel
-from accelnb.wire.spec import WorkerSpec
 
 OutputMode = Literal["rank0", "all", "none"]
 
@@ -121,34 +119,3 @@ def last_result() -> LaunchResult | None:
     cell skipped to stay responsive. After a failed or interrupted run ``values`` is empty and
     the output is what each rank printed before it ended."""
     return _last_result
-
-
-def worker_specs(the_plan: planning.LaunchPlan, persistent: bool = False) -> list[WorkerSpec]:
-    """The per-rank specs the helper forks workers from."""
-    cpus = os.cpu_count() or 1
-    threads = max(1, cpus // len(the_plan.ranks))
-    specs = []
-    for rank in the_plan.ranks:
-        env = dict(rank.env)
-        if the_plan.master_addr == "127.0.0.1":
-            # Keep gloo's and NCCL's own sockets on loopback too (they otherwise bind the
-            # address the hostname resolves to).
-            env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-            env.setdefault("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", "lo"))
-        if "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(threads)
-        specs.append(WorkerSpec(
-            rank=rank.rank, local_rank=rank.local_rank, world_size=rank.world_size,
-            device=rank.device, backend=the_plan.backend, env=env,
-            master_addr=the_plan.master_addr, master_port=the_plan.master_port,
-            cwd=os.getcwd(), sys_path=[p for p in sys.path if p != ""] + [os.getcwd()],
-            persistent=persistent,
-            holds_store=rank.rank == 0,
-            threads_per_rank=int(os.environ.get("OMP_NUM_THREADS", threads)),
-        ))
-    return specs
-
-
-def describe_start(the_plan: planning.LaunchPlan, pids: Sequence[int]) -> str:
-    lines = the_plan.table().splitlines()
-    return "\n".join([lines[0]] + [f"{line}  (pid {pid})" for line, pid in zip(lines[1:], pids, strict=True)])
