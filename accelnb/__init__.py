@@ -3,13 +3,16 @@
     from accelnb import notebook_launcher
     loss = notebook_launcher(train, args=(1e-3,), gpus="0,1")     # or num_processes=2 on CPU
 
-or ``%load_ext accelnb`` and a ``%%distributed --gpus 0,1`` cell. Importing accelnb has no side
-effects: no NVML, no CUDA, no threads, no processes until the first launch.
+or ``%load_ext accelnb`` and a ``%%distributed --gpus 0,1`` cell; ``Session.start(...)`` keeps
+workers (and their variables) between calls. Every launch option is described once, in
+:class:`accelnb.options.LaunchOptions`. Importing accelnb has no side effects: no NVML, no CUDA,
+no threads, no processes until the first launch.
 """
 
 from accelnb.errors import (
     AccelnbError,
     GpuSelectionError,
+    HelperDied,
     LaunchConfigError,
     LaunchFailed,
     LaunchTimeout,
@@ -17,6 +20,7 @@ from accelnb.errors import (
     RankCrashed,
     RankFailed,
     RankFailure,
+    RunInterrupted,
     UnpicklableError,
     WorkerStartError,
 )
@@ -24,9 +28,10 @@ from accelnb.kernel.helper_client import prewarm
 from accelnb.kernel.inventory import GpuInfo, Inventory, read_inventory, synthetic_inventory
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.metrics_history import MetricHistory
-from accelnb.kernel.planning import LaunchPlan, RankSpec, plan
+from accelnb.kernel.planning import LaunchPlan, RankSpec
 from accelnb.kernel.selection import Selection, current_selection, set_selection
-from accelnb.launcher import last_result, launch, notebook_launcher
+from accelnb.launcher import last_result, launch, notebook_launcher, plan
+from accelnb.session import Session
 from accelnb.worker.accelerate_tracker import AccelerateTracker
 from accelnb.worker.progress import progress
 from accelnb.worker.report import report
@@ -36,6 +41,7 @@ __all__ = [
     "AccelnbError",
     "GpuInfo",
     "GpuSelectionError",
+    "HelperDied",
     "Inventory",
     "LaunchConfigError",
     "LaunchFailed",
@@ -49,7 +55,9 @@ __all__ = [
     "RankFailed",
     "RankFailure",
     "RankSpec",
+    "RunInterrupted",
     "Selection",
+    "Session",
     "UnpicklableError",
     "WorkerStartError",
     "current_selection",
@@ -77,10 +85,17 @@ def __getattr__(name: str) -> object:
 
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext accelnb``: the ``%%distributed`` magic, the side panel's comm target, and a
-    head start for the worker helper process (so the first launch does not wait for torch)."""
+    head start for accelnb's helper process (so the first launch does not wait for torch)."""
     from accelnb.notebook.lab_bridge import register_comm_target
     from accelnb.notebook.magic import DistributedMagics
 
     ipython.register_magics(DistributedMagics)  # type: ignore[attr-defined]
     register_comm_target(ipython)  # type: ignore[arg-type]
     prewarm()
+
+
+def unload_ipython_extension(ipython: object) -> None:
+    """``%unload_ext accelnb``: the side panel can no longer connect; open panels are closed."""
+    from accelnb.notebook.lab_bridge import unregister_comm_target
+
+    unregister_comm_target(ipython)  # type: ignore[arg-type]

@@ -7,13 +7,22 @@
     │   ├── GpuSelectionError               unknown, duplicate, invisible or empty GPU selection
     │   ├── PortInUseError                  an explicit master_port= is taken
     │   └── UnpicklableError (TypeError)    an argument or notebook name cannot travel to workers
-    ├── WorkerStartError (RuntimeError)     the worker helper process could not start
+    ├── WorkerStartError (RuntimeError)     accelnb's helper process could not start or fork workers
+    │   └── HelperDied                      (below)
     └── LaunchFailed (RuntimeError)         a run started and ended badly
         ├── RankFailed                      a rank raised; also an instance of the original type
         ├── RankCrashed                     a rank died by a signal or exited without a result
-        └── LaunchTimeout (TimeoutError)    ``timeout=`` expired; carries every rank's stacks
+        ├── LaunchTimeout (TimeoutError)    ``timeout=`` expired; carries every rank's stacks
+        └── HelperDied                      accelnb's helper process died (OOM killer, ``kill``),
+                                            at start-up or mid-run: every worker died with it
 
-A stop by the user (kernel interrupt) surfaces as ``KeyboardInterrupt`` after all workers are gone.
+    KeyboardInterrupt
+    └── RunInterrupted                      the user stopped the run (Ctrl-C, a panel's Stop);
+                                            raised once every worker that had to go is gone
+
+``HelperDied`` is both a ``WorkerStartError`` and a ``LaunchFailed``: the helper can die at any
+moment, and code catching either for "the launch did not work" catches it. ``RunInterrupted`` is
+not an ``AccelnbError``: ``except Exception`` must never swallow a Ctrl-C.
 Every message says what happened, the likely cause, and how to fix it.
 """
 
@@ -22,7 +31,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 if TYPE_CHECKING:
     from accelnb.kernel.metrics_history import MetricHistory
@@ -46,6 +55,7 @@ class RankFailure:
     exception: bytes | None = field(default=None, repr=False)
     output_tail: str = ""
     timestamp: float = field(default_factory=time.time)
+    in_setup: bool = False  # failed in accelnb's set-up of the worker, before the function ran
 
 
 class AccelnbError(Exception):
@@ -115,7 +125,25 @@ class LaunchFailed(AccelnbError, RuntimeError):
 
 class RankFailed(LaunchFailed):
     """A rank raised an exception. Instances also subclass the original exception type
-    where that is possible, so ``except ValueError`` catches a remote ``ValueError``."""
+    where that is possible, so ``except ValueError`` catches a remote ``ValueError``.
+
+    Build one with :meth:`like`; every failure of one original type shares one class, and the
+    instances pickle (the class is re-made from the original type on the other side).
+    """
+
+    original_type: ClassVar[type[Exception] | None] = None
+
+    @classmethod
+    def like(cls, original: type[BaseException] | None, message: str,
+             failures: Sequence[RankFailure] = ()) -> RankFailed:
+        """A ``RankFailed`` that is also an ``original`` where the two types can be combined."""
+        typed = _rank_failed_class_like(original)
+        error = typed.__new__(typed)  # the original's __init__ may want other arguments
+        RankFailed.__init__(error, message, tuple(failures))
+        return error
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_rebuild_rank_failed, (self.original_type, self.message, tuple(self.failures), self.metrics))
 
 
 class RankCrashed(LaunchFailed):
@@ -124,3 +152,63 @@ class RankCrashed(LaunchFailed):
 
 class LaunchTimeout(LaunchFailed, TimeoutError):
     """The run exceeded ``timeout=`` seconds; the message carries every rank's Python stack."""
+
+
+@dataclass(eq=False)
+class HelperDied(LaunchFailed, WorkerStartError):
+    """accelnb's helper process (the clean process that forks workers) died.
+
+    ``exit_code`` is its exit status, negative for the signal that killed it (``-9``: SIGKILL,
+    usually the kernel's OOM killer), None when it could not be read. Every worker died with it;
+    the next launch starts a new helper.
+    """
+
+    helper_pid: int | None = None
+    exit_code: int | None = None
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """The user stopped the run; the message says what was stopped and what is left.
+
+    In IPython the cell shows just that message, not a traceback through accelnb's frames.
+    """
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def _render_traceback_(self) -> list[str]:
+        return [f"KeyboardInterrupt: {self.message}"]
+
+
+# One class per original exception type: ``type(a) is type(b)`` for two remote ValueErrors, and
+# a kernel that fails a thousand times does not mint a thousand classes.
+_RANK_FAILED_LIKE: dict[type[BaseException], type[RankFailed]] = {}
+
+
+def _rank_failed_class_like(original: type[BaseException] | None) -> type[RankFailed]:
+    if original is None or not issubclass(original, Exception) or issubclass(original, LaunchFailed):
+        return RankFailed
+    cached = _RANK_FAILED_LIKE.get(original)
+    if cached is not None:
+        return cached
+    try:
+        typed: type[RankFailed] = type(original.__name__, (RankFailed, original), {
+            "__module__": __name__,
+            "__qualname__": f"RankFailed[{original.__qualname__}]",
+            "original_type": original,
+        })
+    except TypeError:  # incompatible instance layouts (some C exception types, e.g. OSError)
+        typed = RankFailed
+    _RANK_FAILED_LIKE[original] = typed
+    return typed
+
+
+def _rebuild_rank_failed(original: type[BaseException] | None, message: str,
+                         failures: tuple[RankFailure, ...], metrics: MetricHistory | None) -> RankFailed:
+    error = RankFailed.like(original, message, failures)
+    error.metrics = metrics
+    return error

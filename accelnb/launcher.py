@@ -1,4 +1,4 @@
-"""The one launch API every entry point (code, ``%%distributed``, panels) ends up calling.
+"""The one launch API every entry point (code, ``%%distributed``, panels, sessions) ends up calling.
 
     >>> from accelnb import notebook_launcher
     >>> def train(lr):
@@ -9,111 +9,164 @@
 
 ``launch`` returns a :class:`~accelnb.kernel.launch_result.LaunchResult` with every rank's value, the
 metric history and the output; ``notebook_launcher`` returns rank 0's value (its first three
-parameters match Accelerate's ``notebook_launcher``, so it is a drop-in replacement).
+parameters match Accelerate's ``notebook_launcher``, so it is a drop-in replacement). ``plan``
+shows what a launch with the same options would run, without starting anything.
 
-Order of work: validate and plan (pure, raises on bad input), pickle the call (raises naming an
-unpicklable argument), bind the rendezvous port (raises if a requested one is taken), and only
-then fork workers from the clean helper process.
+Every keyword is an option described once in :mod:`accelnb.options`. This module is the
+composition root: it resolves the picker's default selection (so the planner stays pure), wires
+the notebook's displays into the engine, and orders the work so that bad input fails before
+anything starts: check the options, plan (raises on a selection that does not fit the GPUs),
+read the thread budget, pickle the call (raises naming an unpicklable argument), bind the
+rendezvous port (raises if a requested one is taken), and only then fork workers from the clean
+helper process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
 
-from accelnb.errors import LaunchConfigError
 from accelnb.kernel import planning
-from accelnb.kernel.inventory import Inventory, read_inventory
+from accelnb.kernel.inventory import read_inventory
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.payload import pack_call
-from accelnb.kernel.runs import MetricsView, OutputMode, last_result, run_on_group, start_workers
+from accelnb.kernel.runs import MetricsView, last_result, run_on_group, start_workers
+from accelnb.kernel.selection import current_selection
+from accelnb.kernel.supervisor import WorkerGroup
+from accelnb.kernel.worker_specs import threads_per_rank
+from accelnb.options import (
+    ALL_OPTIONS,
+    START_OPTIONS,
+    LaunchKeywords,
+    LaunchOptions,
+    StartKeywords,
+    documents_options,
+)
 
-__all__ = ["check_output_mode", "last_result", "launch", "notebook_launcher"]
+if TYPE_CHECKING:
+    from typing import Unpack
+
+__all__ = ["last_result", "launch", "launch_with", "notebook_launcher", "plan", "plan_launch", "start_group"]
+
+# notebook_launcher returns rank 0's value, so by default it leaves the others' on the ranks.
+_RANK0_VALUE = LaunchOptions(collect="rank0")
 
 
+@documents_options(LaunchKeywords, defaults=_RANK0_VALUE)
 def notebook_launcher(
     function: Callable[..., Any],
     args: Sequence[Any] = (),
     num_processes: int | None = None,
     *,
     kwargs: Mapping[str, Any] | None = None,
-    gpus: planning.GpuSpec = None,
-    cpu: bool = False,
-    backend: str | None = None,
-    master_port: int | None = None,
-    timeout: float | None = None,
-    output: OutputMode = "rank0",
-    mixed_precision: str | None = None,
-    quiet: bool = False,
+    **options: Unpack[LaunchKeywords],
 ) -> Any:
     """Run ``function(*args, **kwargs)`` on every rank and return rank 0's return value.
 
     Args:
         function: defined anywhere, notebook cells included; travels by cloudpickle.
-        args, kwargs: its arguments; they must pickle (a clear error says which does not).
+        args: its positional arguments; they must pickle (a clear error says which does not).
         num_processes: number of ranks. Without GPUs, CPU ranks on gloo; with GPUs, the first N.
-        gpus: ``"0,1,2,3"``, ``[0, 1]``, ``"all"`` or GPU UUIDs, numbered as nvidia-smi does.
-            Without ``gpus`` and ``num_processes``: the picker's selection, else every visible GPU.
-        cpu: run ``num_processes`` CPU ranks even where GPUs exist.
-        backend: process-group backend; default nccl on GPUs, gloo on CPU.
-        master_port: rendezvous port on 127.0.0.1; default a free one.
-        timeout: seconds; on expiry every rank's Python stack is shown, then all are stopped.
-        output: ``"rank0"`` streams rank 0 live, ``"all"`` every rank with ``[rank N]`` prefixes,
-            ``"none"`` nothing (output of failed ranks is still shown).
-        mixed_precision: ``"no"``, ``"fp16"`` or ``"bf16"``, seen by ``Accelerator()``.
-        quiet: do not print the rank → device table at start.
+        kwargs: its keyword arguments; they must pickle too.
+        **options: the launch options listed under "Keyword Args" (described once in
+            :class:`accelnb.options.LaunchOptions`); a misspelt one is refused with a suggestion.
+
+    Returns:
+        What ``function`` returned on rank 0.
 
     Raises:
         LaunchConfigError: bad input, before anything starts.
         RankFailed / RankCrashed / LaunchTimeout: the run failed; every worker is gone.
         KeyboardInterrupt: the run was interrupted; every worker is gone.
     """
-    result = launch(function, args, num_processes, kwargs=kwargs, gpus=gpus, cpu=cpu, backend=backend,
-                    master_port=master_port, timeout=timeout, output=output,
-                    mixed_precision=mixed_precision, quiet=quiet, collect="rank0")
-    return result.value
+    chosen = _RANK0_VALUE.with_keywords({**options, "num_processes": num_processes},
+                                        accepted=ALL_OPTIONS, caller="notebook_launcher()")
+    return launch_with(function, args, kwargs, chosen).value
 
 
+@documents_options(LaunchKeywords)
 def launch(
     function: Callable[..., Any],
     args: Sequence[Any] = (),
     num_processes: int | None = None,
     *,
     kwargs: Mapping[str, Any] | None = None,
-    gpus: planning.GpuSpec = None,
-    cpu: bool = False,
-    backend: str | None = None,
-    master_port: int | None = None,
-    timeout: float | None = None,
-    output: OutputMode = "rank0",
-    mixed_precision: str | None = None,
-    quiet: bool = False,
-    collect: Literal["rank0", "all"] = "all",
-    inventory: Inventory | None = None,
     metric_sink: Callable[[Any], None] | None = None,
+    **options: Unpack[LaunchKeywords],
 ) -> LaunchResult:
     """Like :func:`notebook_launcher`, but returns a :class:`LaunchResult` with every rank's value
-    (``collect="all"``), the metric history and each rank's output."""
-    check_output_mode(output, timeout)
-    the_plan = planning.plan(gpus, num_processes, inventory=inventory or read_inventory(), cpu=cpu,
-                             backend=backend, mixed_precision=mixed_precision)
+    (``collect="all"``, the default here), the metric history and each rank's output.
+
+    Args:
+        function, args, num_processes, kwargs: as for :func:`notebook_launcher`.
+        metric_sink: also called with every batch of ``report()`` metrics, as it arrives.
+        **options: the launch options listed under "Keyword Args".
+
+    Raises:
+        The same as :func:`notebook_launcher`.
+    """
+    chosen = LaunchOptions().with_keywords({**options, "num_processes": num_processes},
+                                           accepted=ALL_OPTIONS, caller="launch()")
+    return launch_with(function, args, kwargs, chosen, metric_sink=metric_sink)
+
+
+def launch_with(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None,
+                options: LaunchOptions, *, metric_sink: Callable[[Any], None] | None = None) -> LaunchResult:
+    """:func:`launch` for callers that already hold a :class:`LaunchOptions` (the magic)."""
+    the_plan = plan_launch(options)
     payload = pack_call(function, args, kwargs or {})
-    group = start_workers(the_plan, master_port, persistent=False, quiet=quiet)
-    try:
-        return run_on_group(group, payload, collect=collect, timeout=timeout, output=output,
-                            metric_sink=metric_sink, metrics_view=live_metrics_view)
+    group: WorkerGroup | None = None
+    try:  # from before the group exists: an interrupt right after start_group returns is covered
+        group = start_group(the_plan, options, persistent=False)
+        return run_on_group(group, payload, collect=options.collect, timeout=options.timeout,
+                            output=options.output, metric_sink=metric_sink, metrics_view=live_metrics_view)
     except KeyboardInterrupt as interrupt:
-        # The stop button: the engine's frames would fill the cell and explain nothing.
-        raise KeyboardInterrupt(*interrupt.args) from None
+        # The stop button: the engine's frames would fill the cell and explain nothing. The
+        # exception itself (its type and message say what was stopped) is kept.
+        raise interrupt.with_traceback(None) from None
     finally:
-        group.close()
+        if group is not None:
+            group.close()
 
 
-def check_output_mode(output: str, timeout: float | None) -> None:
-    if output not in ("rank0", "all", "none"):
-        raise LaunchConfigError(f"output={output!r} must be 'rank0', 'all' or 'none'.")
-    if timeout is not None and timeout <= 0:
-        raise LaunchConfigError(f"timeout must be a positive number of seconds, got {timeout}.")
+@documents_options(StartKeywords)
+def plan(**options: Unpack[StartKeywords]) -> planning.LaunchPlan:
+    """The ranks a launch with these options would run, as ``launch`` would plan them (the picker's
+    selection included), without starting anything: ``print(plan(gpus="0,1").table())``.
+
+    Args:
+        **options: the options that place ranks, listed under "Keyword Args".
+
+    Raises:
+        LaunchConfigError: the options, or the selection against the GPUs, are wrong.
+    """
+    return plan_launch(LaunchOptions().with_keywords(options, accepted=START_OPTIONS, caller="plan()"))
+
+
+def plan_launch(options: LaunchOptions) -> planning.LaunchPlan:
+    """Resolve the picker's default, then hand the pure planner plain values."""
+    resolved = with_picker_default(options)
+    return planning.plan(resolved.gpus, resolved.num_processes,
+                         inventory=resolved.inventory or read_inventory(), cpu=resolved.cpu,
+                         backend=resolved.backend, mixed_precision=resolved.mixed_precision)
+
+
+def start_group(the_plan: planning.LaunchPlan, options: LaunchOptions, *, persistent: bool) -> WorkerGroup:
+    """Fork the workers of ``the_plan``; a bad ``OMP_NUM_THREADS`` fails first, before the port
+    is bound or anything is forked."""
+    threads_per_rank(len(the_plan.ranks))
+    return start_workers(the_plan, options.master_port, persistent=persistent, quiet=options.quiet)
+
+
+def with_picker_default(options: LaunchOptions) -> LaunchOptions:
+    """``options`` with the GPU picker's selection filled in where they choose no devices."""
+    if options.gpus is not None or options.num_processes is not None or options.cpu:
+        return options
+    chosen = current_selection()
+    if chosen is None:
+        return options  # the planner's own default: every visible GPU
+    return replace(options, gpus=chosen.gpus, num_processes=chosen.num_processes)
 
 
 def live_metrics_view(all_ranks: bool) -> MetricsView:

@@ -4,10 +4,15 @@ A one-shot launch forks workers, runs, and tears everything down. A session keep
 so the next call costs a pipe round trip instead of a launch, and each rank keeps its variables
 (a model built in one ``%%distributed`` cell is trained in the next).
 
-    >>> session = Session.start(num_processes=2)                  # doctest: +SKIP
-    >>> session.run(lambda: torch.distributed.get_rank()).values  # doctest: +SKIP
+    >>> from accelnb import Session
+    >>> with Session.start(num_processes=2) as session:                    # doctest: +SKIP
+    ...     session.run(lambda: torch.distributed.get_rank()).values
     {0: 0, 1: 1}
-    >>> session.stop()                                            # doctest: +SKIP
+
+``Session.start`` takes the options that place ranks (devices, backend, port: fixed for the
+session's life); ``Session.run`` takes those of one call (``timeout``, ``output``, ``collect``).
+Leaving the ``with`` block, ``stop()``, or dropping the last reference to the session ends its
+workers.
 
 An exception that every rank reports leaves the session usable; a rank that dies, or one that
 does not respond to an interrupt (stuck in a collective), ends it with the root cause shown.
@@ -15,8 +20,10 @@ does not respond to an interrupt (stuck in a collective), ends it with the root 
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Literal
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import psutil
 
@@ -25,33 +32,57 @@ from accelnb.kernel import planning
 from accelnb.kernel.inventory import Inventory, read_inventory
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.payload import pack_call
-from accelnb.kernel.runs import OutputMode, run_on_group, start_workers
+from accelnb.kernel.runs import run_on_group
 from accelnb.kernel.supervisor import WorkerGroup
-from accelnb.launcher import check_output_mode, live_metrics_view
+from accelnb.launcher import live_metrics_view, plan_launch, start_group, with_picker_default
+from accelnb.options import CALL_OPTIONS, START_OPTIONS, CallKeywords, LaunchOptions, StartKeywords, documents_options
+
+if TYPE_CHECKING:
+    from typing import Unpack
 
 
 class Session:
     """Workers kept alive between calls. Create with :meth:`Session.start`."""
 
-    def __init__(self, group: WorkerGroup) -> None:
+    def __init__(self, group: WorkerGroup, options: LaunchOptions) -> None:
         self._group = group
+        self.options = options  # what the session was started with, the picker's choice resolved
+        # A session the user drops (reassigned, deleted, kernel shutting down) must not leave its
+        # workers waiting for calls that never come. The finalizer holds the group, never self.
+        self._finalizer = weakref.finalize(self, group.shutdown)
 
     @classmethod
-    def start(
-        cls,
-        gpus: planning.GpuSpec = None,
-        num_processes: int | None = None,
-        *,
-        cpu: bool = False,
-        backend: str | None = None,
-        master_port: int | None = None,
-        mixed_precision: str | None = None,
-        quiet: bool = False,
-        inventory: Inventory | None = None,
-    ) -> Session:
-        the_plan = planning.plan(gpus, num_processes, inventory=inventory or read_inventory(), cpu=cpu,
-                                 backend=backend, mixed_precision=mixed_precision)
-        return cls(start_workers(the_plan, master_port, persistent=True, quiet=quiet))
+    @documents_options(StartKeywords)
+    def start(cls, **options: Unpack[StartKeywords]) -> Session:
+        """Start one worker per rank and keep them for :meth:`run`.
+
+        Args:
+            **options: the options that place ranks, listed under "Keyword Args".
+
+        Raises:
+            LaunchConfigError: bad input, before anything starts.
+        """
+        return cls.start_with(LaunchOptions().with_keywords(options, accepted=START_OPTIONS,
+                                                            caller="Session.start()"))
+
+    @classmethod
+    def start_with(cls, options: LaunchOptions) -> Session:
+        """:meth:`start` from a :class:`LaunchOptions` (the magic's restart reuses one). Its call
+        options, if set, are the defaults of every :meth:`run`."""
+        resolved = with_picker_default(options)
+        group = start_group(plan_launch(resolved), resolved, persistent=True)
+        try:
+            return cls(group, resolved)
+        except BaseException:  # an interrupt before the finalizer holds the group
+            group.shutdown()
+            raise
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.stop()
 
     @property
     def plan(self) -> planning.LaunchPlan:
@@ -61,32 +92,39 @@ class Session:
     def alive(self) -> bool:
         return self._group.usable
 
+    @documents_options(CallKeywords)
     def run(
         self,
         function: Callable[..., Any],
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
-        *,
-        timeout: float | None = None,
-        output: OutputMode = "rank0",
-        collect: Literal["rank0", "all"] = "all",
+        **options: Unpack[CallKeywords],
     ) -> LaunchResult:
-        """Run ``function`` on every rank of the session (see :func:`accelnb.launch`)."""
+        """Run ``function`` on every rank of the session (see :func:`accelnb.launch`).
+
+        Args:
+            function, args, kwargs: as for :func:`accelnb.launch`.
+            **options: the options of one call, listed under "Keyword Args".
+
+        Raises:
+            LaunchConfigError: the session has ended, or bad input.
+            RankFailed / RankCrashed / LaunchTimeout: see the module docstring for which end it.
+        """
+        call = self.options.with_keywords(options, accepted=CALL_OPTIONS, caller="Session.run()")
         if not self.alive:
             raise LaunchConfigError("This session has ended. Start a new one with Session.start() "
                                     "or %distributed start.")
-        check_output_mode(output, timeout)
         payload = pack_call(function, args, kwargs or {})
         try:
-            return run_on_group(self._group, payload, collect=collect, timeout=timeout, output=output,
-                                metrics_view=live_metrics_view)
+            return run_on_group(self._group, payload, collect=call.collect, timeout=call.timeout,
+                                output=call.output, metrics_view=live_metrics_view)
         finally:
             if not self._group.usable:
                 self._group.close()
 
     def stop(self) -> None:
-        """End every worker and free their resources."""
-        self._group.shutdown()
+        """End every worker and free their resources. Safe to call more than once."""
+        self._finalizer()  # runs group.shutdown once, and detaches the finalizer
 
     def status(self, inventory: Inventory | None = None) -> str:
         """Ranks, devices, pids and memory (host, and GPU where a rank has one), as

@@ -12,18 +12,26 @@ import nbformat
 import psutil
 import pytest
 
-from accelnb.kernel import helper_client as helper_client
+from accelnb.kernel.helper_client import running_helper_pid
 
 
 def worker_processes() -> list[psutil.Process]:
-    """Every live process below this process's worker helper (the workers and their children)."""
-    helper = helper_client._shared
-    if helper is None or not helper.alive:
+    """Every live process below this process's helper (the workers and their children)."""
+    helper_pid = running_helper_pid()
+    if helper_pid is None:
         return []
     try:
-        return [p for p in psutil.Process(helper.pid).children(recursive=True) if p.status() != "zombie"]
+        children = psutil.Process(helper_pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+    return [child for child in children if _running(child)]
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def wait_until_no_workers(bound_s: float) -> float:

@@ -1,13 +1,16 @@
 """The ``accelnb.gpus`` comm, driven the way JupyterLab drives it: a real kernel, real comm messages.
 
 One ipykernel (with ``ACCELNB_SYNTHETIC_GPUS=4``) serves the module; each test opens its own comm
-from a jupyter_client, as the GPUs panel does, and reads what comes back on IOPub.
+from a jupyter_client, as the GPUs panel does, and reads what comes back on IOPub. The last tests
+run a :class:`PanelConnection` in this process with an injected inventory source and a comm
+that records what is sent, to see on which thread the inventory is read.
 """
 
 from __future__ import annotations
 
 import os
 import queue
+import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -17,6 +20,10 @@ from typing import Any
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager, start_new_kernel
+
+from accelnb.kernel import run_state
+from accelnb.kernel.inventory import Inventory, synthetic_inventory
+from accelnb.notebook.lab_bridge import PanelConnection
 
 REPO = Path(__file__).resolve().parents[1]
 TARGET = "accelnb.gpus"
@@ -152,7 +159,8 @@ def test_select_sets_the_notebook_selection(kernel: KernelSession, panel: str) -
 
 
 @pytest.mark.parametrize(("request_data", "says"), [
-    ({"type": "select", "gpus": [1, 9]}, "no GPU 9"),
+    ({"type": "select", "gpus": [1, 9]}, "GPU 9 does not exist on this machine"),  # the planner's words
+    ({"type": "select", "gpus": [1, 1]}, "GPU 1 is selected more than once"),
     ({"type": "select", "gpus": [True]}, "list of GPU indices"),
     ({"type": "select", "num_processes": 0}, "at least 1"),
     ({"type": "select", "gpus": [1], "num_processes": 2}, "not both"),
@@ -215,3 +223,85 @@ def test_without_the_target_the_kernel_closes_the_comm(kernel: KernelSession) ->
         assert kernel.execute("print(bridge.is_registered())").strip() == "False"
     finally:
         kernel.execute("bridge.register_comm_target(get_ipython())")
+
+
+# ── in this process: where the inventory is read ──────────────────────────────────────────
+class RecordingComm:
+    """The part of a comm a PanelConnection uses, keeping what it sends; waits without sleeping."""
+
+    def __init__(self) -> None:
+        self.sent: list[dict[str, Any]] = []
+        self._changed = threading.Condition()
+        self.handlers: dict[str, Callable[[dict[str, Any]], None]] = {}
+
+    def on_msg(self, handler: Callable[[dict[str, Any]], None]) -> None:
+        self.handlers["msg"] = handler
+
+    def on_close(self, handler: Callable[[dict[str, Any]], None]) -> None:
+        self.handlers["close"] = handler
+
+    def send(self, data: dict[str, Any]) -> None:
+        with self._changed:
+            self.sent.append(data)
+            self._changed.notify_all()
+
+    def close(self) -> None:
+        pass
+
+    def wait_for_state(self, accept: Callable[[dict[str, Any]], bool], timeout: float = 10) -> dict[str, Any]:
+        def found() -> dict[str, Any] | None:
+            return next((m for m in self.sent if m["type"] == "state" and accept(m)), None)
+        with self._changed:
+            assert self._changed.wait_for(lambda: found() is not None, timeout), f"no such state in {self.sent}"
+            state = found()
+        assert state is not None
+        return state
+
+
+def gpu_count(count: int) -> Callable[[dict[str, Any]], bool]:
+    return lambda state: len(state["inventory"]["gpus"]) == count
+
+
+def test_a_finished_run_is_published_without_reading_the_inventory_on_the_launch_thread() -> None:
+    reads: list[threading.Thread] = []
+
+    def counting_reader() -> Inventory:  # every read shows one more GPU, so states tell reads apart
+        reads.append(threading.current_thread())
+        return synthetic_inventory(len(reads))
+
+    panel_comm = RecordingComm()
+    connection = PanelConnection(panel_comm, counting_reader)  # type: ignore[arg-type]
+    connection.start()
+    try:
+        panel_comm.wait_for_state(gpu_count(1))  # the first state comes once the first read is done
+        run = run_state.RunState(run_id=run_state.next_run_id(), ranks=[run_state.RankState(0, "cpu", "done")])
+        run_state.begin_run(run)
+        run.finished = True
+        run_state.publish()  # what WorkerGroup.close() does, on the launch's thread
+        assert panel_comm.sent[-1]["run"]["finished"] is True  # the run's end is shown at once
+        panel_comm.wait_for_state(gpu_count(2))  # and the inventory re-read follows
+    finally:
+        connection.close()
+    assert len(reads) == 2
+    assert threading.current_thread() not in reads, "the inventory was read on the publishing thread"
+
+
+def test_a_select_is_checked_against_the_inventory_read_in_the_background() -> None:
+    release = threading.Event()
+
+    def slow_reader() -> Inventory:  # a slow NVML: the panel's first state waits for it
+        release.wait(10)
+        return synthetic_inventory(2)
+
+    panel_comm = RecordingComm()
+    connection = PanelConnection(panel_comm, slow_reader)  # type: ignore[arg-type]
+    connection.start()
+    try:
+        assert panel_comm.sent == []  # no state before the GPUs are known
+        release.set()
+        panel_comm.wait_for_state(gpu_count(2))
+        panel_comm.handlers["msg"]({"content": {"data": {"type": "select", "gpus": [3]}}})
+        assert panel_comm.sent[-2] == {"type": "error", "message": panel_comm.sent[-2]["message"]}
+        assert "GPU 3 does not exist on this machine" in panel_comm.sent[-2]["message"]
+    finally:
+        connection.close()

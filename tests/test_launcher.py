@@ -7,6 +7,7 @@ import signal
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from accelnb import (
     synthetic_inventory,
 )
 from accelnb.errors import LaunchConfigError
+from accelnb.kernel import run_state
 from accelnb.kernel.supervisor import FAILURE_GRACE_S
 from tests.conftest import wait_until_no_workers, worker_processes
 
@@ -155,9 +157,20 @@ def fail_on_rank_1() -> None:
 
 
 def test_an_exception_on_rank_1_keeps_its_type_and_traceback_and_stops_everyone() -> None:
-    started = time.monotonic()
-    with pytest.raises(KeyError) as info:
-        launch(fail_on_rank_1, num_processes=2, quiet=True)
+    failed_at: list[float] = []
+
+    def watch(run: run_state.RunState | None) -> None:
+        if not failed_at and run is not None and run.ranks[1].phase == "failed":
+            failed_at.append(time.monotonic())
+
+    unsubscribe = run_state.on_run_change(watch)
+    try:
+        with pytest.raises(KeyError) as info:
+            launch(fail_on_rank_1, num_processes=2, quiet=True)
+    finally:
+        unsubscribe()
+    # Rank 0, waiting in a barrier, left on accelnb's SIGTERM: no wait for the grace and SIGKILL.
+    assert time.monotonic() - failed_at[0] < FAILURE_GRACE_S
     error = info.value
     assert isinstance(error, RankFailed)
     message = str(error)
@@ -169,13 +182,16 @@ def test_an_exception_on_rank_1_keeps_its_type_and_traceback_and_stops_everyone(
     assert after is not None and after.values == {}
     # Rank 0 was SIGTERMed in its barrier: it flushed its output before dying.
     assert after.output(0) == "rank 0 was here\n" and after.output(1).startswith("rank 1 was here\n")
-    wait_until_no_workers(5.0)
-    assert time.monotonic() - started < 10
+    assert worker_processes() == []
 
 
 @pytest.mark.parametrize("rank_0_still_busy", [True, False], ids=["rank0-busy", "rank0-returned"])
-def test_a_functions_own_sigterm_handler_runs_when_accelnb_stops_its_rank(rank_0_still_busy: bool) -> None:
+def test_a_functions_own_sigterm_handler_runs_when_accelnb_stops_its_rank(
+        rank_0_still_busy: bool, tmp_path: Path) -> None:
+    rank_0_answered = tmp_path / "rank-0-answered"
+
     def save_on_sigterm_then_fail_on_rank_1() -> None:  # defined here: shipped by value, no import
+        import os
         import signal
         import sys
         import time
@@ -187,21 +203,41 @@ def test_a_functions_own_sigterm_handler_runs_when_accelnb_stops_its_rank(rank_0
             sys.exit(0)
 
         signal.signal(signal.SIGTERM, save_checkpoint)  # the usual pre-emption handler
+        store = dist.distributed_c10d._get_default_store()
         dist.barrier()
         if dist.get_rank() == 1:
-            time.sleep(0.5)  # rank 0 has answered by now, or is deep in its loop
+            if rank_0_still_busy:
+                store.wait(["rank 0 is in its loop"])
+            else:
+                while not os.path.exists(rank_0_answered):  # the kernel marks it once rank 0 answered
+                    time.sleep(0.005)
             raise KeyError("missing-key-on-rank-1")
         while rank_0_still_busy:  # a training loop: Python runs between steps
+            store.set("rank 0 is in its loop", "yes")
             time.sleep(0.01)
 
+    failed_at: list[float] = []
+
+    def watch(run: run_state.RunState | None) -> None:
+        phases = {state.rank: state.phase for state in run.ranks} if run is not None else {}
+        if phases.get(0) == "done":
+            rank_0_answered.touch()
+        if phases.get(1) == "failed" and not failed_at:
+            failed_at.append(time.monotonic())
+
     launch(lambda: None, num_processes=2, quiet=True)  # warm: what is timed below is this run
-    started = time.monotonic()
-    with pytest.raises(KeyError, match="Rank 1 failed"):
-        launch(save_on_sigterm_then_fail_on_rank_1, num_processes=2, quiet=True)
+    unsubscribe = run_state.on_run_change(watch)
+    try:
+        with pytest.raises(KeyError, match="Rank 1 failed"):
+            launch(save_on_sigterm_then_fail_on_rank_1, num_processes=2, quiet=True)
+    finally:
+        unsubscribe()
+    raised_at = time.monotonic()
     after = last_result()
     assert after is not None
     assert after.output(0) == f"rank 0 saved a checkpoint on signal {int(signal.SIGTERM)}\n"
-    assert time.monotonic() - started < FAILURE_GRACE_S  # it left on its own, before the SIGKILL
+    # It left on its own after accelnb's SIGTERM, well before the grace ran out and SIGKILL came.
+    assert raised_at - failed_at[0] < FAILURE_GRACE_S
     assert wait_until_no_workers(5.0) < 5.0
 
 
@@ -245,6 +281,8 @@ def test_timeout_shows_every_ranks_stack_then_stops_all() -> None:
     assert "── rank 0 ──" in message and "── rank 1 ──" in message
     assert "in hang_in_collective" in message and "in barrier" in message
     assert "accelnb/worker/" not in message
+    # accelnb's own threads (output flusher, inbox reader, SIGTERM watcher) are left out entirely.
+    assert "] Thread 0x" not in message and message.count("Current thread 0x") == 2, message
     assert time.monotonic() - started < 2 + 5
     wait_until_no_workers(5.0)
 
@@ -254,11 +292,22 @@ def test_interrupt_stops_every_worker_within_3_seconds() -> None:
         time.sleep(60)
 
     launch(all_reduce_rank_plus_one, num_processes=2, quiet=True)  # helper already warm
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
-    timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        launch(sleep_long, num_processes=2, quiet=True)
-    assert wait_until_no_workers(3.0) < 3.0
+    interrupted_at: list[float] = []
+
+    def ctrl_c_once_every_rank_runs() -> None:  # a display's wait hook: runs inside the wait for answers
+        run = run_state.current_run()
+        if not interrupted_at and run is not None and all(r.phase == "running" for r in run.ranks):
+            interrupted_at.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)  # what the kernel's stop button sends
+
+    remove_hook = run_state.add_wait_hook(ctrl_c_once_every_rank_runs)
+    try:
+        with pytest.raises(KeyboardInterrupt, match="accelnb stopped the run: every worker was ended"):
+            launch(sleep_long, num_processes=2, quiet=True)
+    finally:
+        remove_hook()
+    assert time.monotonic() - interrupted_at[0] < 3.0
+    assert worker_processes() == []  # gone when the interrupt reached the caller
     assert launch(all_reduce_rank_plus_one, num_processes=2, quiet=True).values[0] == 3.0
 
 

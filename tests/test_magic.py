@@ -1,13 +1,29 @@
-"""``%%distributed`` in a real Jupyter kernel (nbclient), one kernel for the whole flow."""
+"""``%%distributed`` in a real Jupyter kernel (nbclient), one kernel for the whole flow, plus the
+magic's grammars (generated from the options) and its worker half, tested without a kernel.
+
+Whether a session's workers exist is asserted by pid, inside the kernel that owns them, with
+``worker_processes()`` from this folder's conftest; not inferred from a message.
+"""
 
 from __future__ import annotations
 
+import ast
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
+from IPython.core.error import UsageError
 
-from accelnb.notebook.magic import DistributedMagics
+from accelnb import launch, synthetic_inventory
+from accelnb.notebook.magic import magic_wording, parse_cell_line, parse_start_options
+from accelnb.options import described_fields
+from accelnb.wire.result_pickling import loads_in_kernel
+from accelnb.worker.cell_runner import CellRequest, run_cell
 from tests.conftest import error_of, run_notebook, stream_text
+
+ROOT = str(Path(__file__).resolve().parent.parent)
+PIDS = "print(sorted(p.pid for p in worker_processes()))"
 
 CELLS = {
     "load": "%load_ext accelnb",
@@ -35,13 +51,28 @@ CELLS = {
     "bad_gpu": "%%distributed --gpus 5\nprint(1)",
     "no_return": "%%distributed --procs 2 --return none --output all\nsecret = rank\nprint('hi')",
     "secret_absent": "print('secret' in globals())",
+    "stop_with_option": "%distributed stop --gpus 0",
+    "options_without_command": "%distributed --procs 2",
+    "command_on_a_cell": "%%distributed start\nprint(1)",
+    "observe": (f"import sys; sys.path.insert(0, {ROOT!r})\n"
+                "from tests.conftest import worker_processes\n"
+                "magic = get_ipython().magics_manager.registry['DistributedMagics']\n" + PIDS),
     "start": "%distributed start --procs 2 --quiet",
+    "pids_started": PIDS,
     "session_1": "%%distributed\nmodel = Net()\nw0 = model.fc.weight.sum().item()",
     "session_2": ("%%distributed\nwith torch.no_grad():\n    model.fc.weight.add_(1.0)\n"
                   "round(model.fc.weight.sum().item() - w0, 3)"),
+    "devices_are_fixed": "%%distributed --procs 3\nprint(1)",
     "status": "%distributed status",
+    "bad_restart": "%distributed restart --procs 0",
+    "pids_after_bad_restart": PIDS,
+    "restart_with_new_options": "%distributed restart --procs 1 --quiet",
+    "status_new": "%distributed status",
+    "restart_as_before": "%distributed restart",
+    "status_again": "%distributed status",
+    "variables_are_new": "%%distributed\n'model' in globals()",
     "stop": "%distributed stop",
-    "after_stop": "%%distributed\nprint(1)",
+    "after_stop": PIDS + "\nprint(magic.session)",
 }
 
 
@@ -53,6 +84,10 @@ def outputs() -> dict[str, Any]:
 
 def result_of(outputs: list[Any]) -> str | None:
     return next((o["data"]["text/plain"] for o in outputs if o["output_type"] == "execute_result"), None)
+
+
+def pids_in(text: str) -> list[int]:
+    return [int(pid) for pid in re.findall(r"pid (\d+)", text)]
 
 
 def test_cell_runs_on_every_rank_with_notebook_names_and_rank0_value(outputs: dict[str, Any]) -> None:
@@ -87,6 +122,15 @@ def test_usage_errors_are_short(outputs: dict[str, Any]) -> None:
     assert error_of(outputs["bad_gpu"]) is None  # a usage error, not a traceback
 
 
+def test_each_form_has_its_own_grammar(outputs: dict[str, Any]) -> None:
+    said = {name: stream_text(outputs[name], "stderr")
+            for name in ("stop_with_option", "options_without_command", "command_on_a_cell")}
+    assert "UsageError: %distributed stop takes no options, got '--gpus 0'." in said["stop_with_option"]
+    assert "UsageError: Unknown command '--procs'" in said["options_without_command"]
+    assert "UsageError: Unexpected 'start' on the %%distributed line" in said["command_on_a_cell"]
+    assert ast.literal_eval(stream_text(outputs["observe"]).strip()) == []  # none of them started a worker
+
+
 def test_return_none_and_output_all(outputs: dict[str, Any]) -> None:
     text = stream_text(outputs["no_return"])
     assert "[rank 0] hi" in text and "[rank 1] hi" in text
@@ -95,15 +139,75 @@ def test_return_none_and_output_all(outputs: dict[str, Any]) -> None:
 
 def test_a_session_keeps_each_ranks_variables_between_cells(outputs: dict[str, Any]) -> None:
     assert error_of(outputs["start"]) is None
+    started = ast.literal_eval(stream_text(outputs["pids_started"]).strip())
+    assert len(started) == 2
     assert result_of(outputs["session_2"]) == "4.0"  # the same model object, changed in place
     status = stream_text(outputs["status"])
-    assert "accelnb session: 2 rank(s), backend gloo, running" in status and "pid" in status
-    assert "every worker has exited" in stream_text(outputs["stop"])
-    assert "No GPU is visible" in stream_text(outputs["after_stop"], "stderr")
+    assert "accelnb session: 2 rank(s), backend gloo, running" in status
+    assert sorted(pids_in(status)) == started
+    fixed = stream_text(outputs["devices_are_fixed"], "stderr")
+    assert "UsageError: A persistent session is running" in fixed and "--procs" in fixed
 
 
-def test_help_lists_every_option() -> None:
-    doc = DistributedMagics.distributed.__doc__ or ""
-    for option in ("--gpus", "--procs", "--backend", "--port", "--timeout", "--output", "--mixed-precision",
-                   "--return"):
-        assert option in doc
+def test_restart_checks_new_options_first_then_reuses_or_replaces_them(outputs: dict[str, Any]) -> None:
+    started = ast.literal_eval(stream_text(outputs["pids_started"]).strip())
+    assert "UsageError: --procs must be at least 1, got 0." in stream_text(outputs["bad_restart"], "stderr")
+    assert ast.literal_eval(stream_text(outputs["pids_after_bad_restart"]).strip()) == started  # untouched
+
+    new = stream_text(outputs["status_new"])
+    assert "accelnb session: 1 rank(s), backend gloo, running" in new
+    again = stream_text(outputs["status_again"])
+    assert "accelnb session: 1 rank(s), backend gloo, running" in again  # the options it had: --procs 1
+    assert len({*started, *pids_in(new), *pids_in(again)}) == 4  # fresh workers each time
+    assert result_of(outputs["variables_are_new"]) == "False"
+
+
+def test_stop_ends_every_worker_and_the_session(outputs: dict[str, Any]) -> None:
+    assert error_of(outputs["stop"]) is None
+    assert stream_text(outputs["after_stop"]).split("\n")[:2] == ["[]", "None"]
+
+
+# ── the grammars, generated from the options ───────────────────────────────────────────────
+SAMPLES = {  # a flag's text, and the value LaunchOptions must get from it
+    "gpus": ("0,1", "0,1"), "num_processes": ("2", 2), "cpu": (None, True), "backend": ("gloo", "gloo"),
+    "master_port": ("29555", 29555), "mixed_precision": ("fp8", "fp8"), "quiet": (None, True),
+    "timeout": ("2.5", 2.5), "output": ("all", "all"),
+}
+
+
+def test_the_cell_grammar_has_every_flag_the_options_describe_and_fills_them_in() -> None:
+    flagged = {each.name: info.flag for each, info in described_fields() if info.flag is not None}
+    assert set(flagged) == set(SAMPLES)
+    for name, flag in flagged.items():
+        text, value = SAMPLES[name]
+        given, returned = parse_cell_line(f"{flag} {text}" if text is not None else flag)
+        assert given == {name: value} and returned is None
+    given, returned = parse_cell_line("--procs 2 --return a,b")
+    assert given == {"num_processes": 2} and returned == ["a", "b"]
+
+
+def test_start_takes_only_the_options_that_place_ranks() -> None:
+    assert parse_start_options("--procs 2 --quiet") == {"num_processes": 2, "quiet": True}
+    for per_call in ("--timeout 5", "--output all", "--return x"):
+        with pytest.raises(UsageError, match="unrecognized arguments"):
+            parse_start_options(per_call)
+    with pytest.raises(UsageError, match="invalid choice: 'fp32'"):
+        parse_cell_line("--mixed-precision fp32")
+
+
+def test_api_wording_becomes_the_magics() -> None:
+    assert magic_wording("Pass num_processes=N, or cpu=True with gpus=.") == "Pass --procs N, or --cpu with --gpus ."
+    assert magic_wording("master_port must be a port number") == "--port must be a port number"
+
+
+# ── the worker half: the cell's device is the planned one ──────────────────────────────────
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_cell_gets_the_planned_device_not_one_it_derives() -> None:
+    # A synthetic inventory plans cpu ranks; on a GPU host the cell used to get cuda:N anyway.
+    request = CellRequest(source="import os\n(str(device), os.environ['CUDA_VISIBLE_DEVICES'])",
+                          filename="<cell In[1]>", header="%%distributed", names={}, modules={},
+                          return_names=[])
+    result = launch(run_cell, (request,), gpus="1,3", inventory=synthetic_inventory(8), quiet=True,
+                    collect="rank0")
+    assert [r.device for r in result.plan.ranks] == ["cpu", "cpu"]
+    assert loads_in_kernel(result.value.last_value) == ("cpu", "1,3")

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import base64
 import io
+import json
+import logging
 import os
 import re
+import subprocess
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +26,6 @@ from accelnb import LaunchFailed, launch
 from accelnb.kernel.metrics_history import MetricHistory
 from accelnb.notebook.metrics_view import LiveMetricsView, TextSurface
 from accelnb.wire.events import MetricBatch, ProgressBatch, ProgressState
-from accelnb.worker import report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -86,7 +87,8 @@ def test_history_to_pandas_without_pandas_says_how_to_get_it(monkeypatch: pytest
     assert history.records == [{"rank": 0, "step": 0, "time": 1.0, "loss": 2.0}]
 
 
-def report_then_rank_1_raises() -> None:
+def report_until_rank_1_raises(steps_file: str) -> None:
+    import os
     import time
 
     import torch.distributed as dist
@@ -97,31 +99,61 @@ def report_then_rank_1_raises() -> None:
         accelnb.report(step=step, loss=float(step))
     dist.barrier()  # both ranks reported
     if dist.get_rank() == 1:
-        # Rank 1's own reports are flushed before its error is sent; rank 0, stopped because of
-        # it, keeps what its flusher shipped (every 50 ms) before the stop: wait for that.
-        time.sleep(0.3)
-        raise ValueError("diverged")
-    dist.barrier()  # rank 0 waits here until it is stopped
+        raise ValueError("diverged")  # its own reports are flushed before its error is sent
+    # Rank 0 reports until the kernel stops it with SIGTERM, writing each step to a file as it goes
+    # (unbuffered, so the file shows how far it got). Reports made since its flusher's last 50 ms
+    # round can reach the kernel only through the worker's flush on SIGTERM.
+    steps = os.open(steps_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    for step in range(40, 10**9):
+        accelnb.report(step=step, loss=float(step))
+        os.write(steps, f"{step}\n".encode())
+        time.sleep(0.001)  # a training loop's pace, not a wait for anything
 
 
-def test_metrics_survive_a_failure() -> None:
+def test_metrics_survive_a_failure(tmp_path: Path) -> None:
+    steps_file = tmp_path / "rank0-steps"
     with pytest.raises(LaunchFailed) as caught:
-        launch(report_then_rank_1_raises, num_processes=2, quiet=True)
+        launch(report_until_rank_1_raises, args=(str(steps_file),), num_processes=2, quiet=True)
     history = caught.value.metrics
     assert history.series("loss", 1) == [(s, float(s)) for s in range(40)]
-    assert history.series("loss", 0) == [(s, float(s)) for s in range(40)]
+    rank_0 = history.series("loss", 0)
+    assert rank_0 == [(s, float(s)) for s in range(len(rank_0))]  # in order, none missing
+    written = steps_file.read_text().split() if steps_file.exists() else []
+    last_written = int(written[-1]) if written else 39
+    assert rank_0[-1][0] >= last_written, (
+        f"rank 0 reported step {last_written} before it was stopped; the kernel got up to {rank_0[-1][0]}")
+    assert [f.rank for f in caught.value.failures] == [1]  # rank 0 was stopped, it did not fail
 
 
-def test_report_outside_a_launch_warns_once_and_does_nothing() -> None:
-    assert report._writer is None
-    report._warned = False
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        report.report(step=1, loss=0.5)
-        report.report(step=2, loss=0.4)
-    assert len(caught) == 1 and "outside a distributed launch" in str(caught[0].message)
-    assert caught[0].filename == __file__  # points at the caller
-    assert not report._pending
+REPORT_OUTSIDE_A_LAUNCH = """\
+import json, tracemalloc, warnings
+import accelnb
+
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    accelnb.report(step=0, loss=1.0)  # line 6: the warning points here
+    tracemalloc.start()
+    for step in range(1, 50_000):
+        accelnb.report(step=step, loss=1.0 / step)
+    grown, _ = tracemalloc.get_traced_memory()
+print(json.dumps({"warnings": [[str(w.message), w.filename, w.lineno] for w in caught], "grown": grown}))
+"""
+
+
+def test_report_outside_a_launch_warns_once_and_does_nothing(tmp_path: Path) -> None:
+    """In a fresh interpreter, as a script that never launches would call it."""
+    script = tmp_path / "outside.py"
+    script.write_text(REPORT_OUTSIDE_A_LAUNCH)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+
+    (message, filename, lineno), = seen["warnings"]  # 50,000 calls, one warning
+    assert "outside a distributed launch" in message
+    assert (filename, lineno) == (str(script), 6)  # it points at the caller
+    assert seen["grown"] < 2**20, f"reports outside a launch were kept: {seen['grown']:,} bytes"
 
 
 def test_bad_values_say_what_to_do() -> None:
@@ -200,6 +232,30 @@ def test_view_throttles_thins_and_draws_nothing_without_metrics() -> None:
     idle.add(MetricBatch(0, []))
     idle.close()
     assert empty.draws == []
+
+
+class BrokenSurface:
+    def __init__(self) -> None:
+        self.tries = 0
+
+    def draw(self, bundle: dict[str, str], final: bool) -> None:
+        self.tries += 1
+        raise RuntimeError("the output area is gone")
+
+
+def test_a_broken_display_is_logged_once_and_the_view_stops_drawing(caplog: pytest.LogCaptureFixture) -> None:
+    now = [0.0]
+    surface = BrokenSurface()
+    view = LiveMetricsView(all_ranks=False, surface=surface, clock=lambda: now[0])
+    with caplog.at_level(logging.WARNING, logger="accelnb"):
+        for step in range(20):  # what the launch feeds it: none of this may raise
+            view.add(MetricBatch(0, [(step, 0.0, {"loss": 1.0})]))
+            now[0] += 1.0
+        view.close()
+    assert surface.tries == 1
+    failures = [r for r in caplog.records if r.exc_info]
+    assert [str(r.exc_info[1]) for r in failures] == ["the output area is gone"]  # type: ignore[index]
+    assert "metric history still has everything" in failures[0].getMessage()
 
 
 def test_text_summary_outside_a_kernel() -> None:

@@ -7,16 +7,22 @@ The GPU inventory is the one thing faked (this machine has no GPU): injected as 
 
 from __future__ import annotations
 
+import gc
 import itertools
 import threading
 import time
+import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from typing import Any
 
+import comm
+import ipywidgets as widgets
 import pytest
 
 from accelnb import launch
-from accelnb.kernel import run_state
+from accelnb.kernel import run_state, selection
 from accelnb.kernel.inventory import GpuInfo, GpuProcess, Inventory, synthetic_inventory
 from accelnb.kernel.selection import Selection, clear_selection, current_selection, set_selection
 from accelnb.notebook import kernel_messages
@@ -140,6 +146,7 @@ def test_memory_and_utilisation_refresh_in_the_background(make_panel: Callable[.
         return replace(inventory, gpus=(gpu,))
 
     panel = make_panel(changing, refresh_interval=0.05)
+    refresher = _the_refresh_thread()
     first = panel.gpu_rows[0].memory.value
     deadline = time.monotonic() + 5
     while panel.gpu_rows[0].memory.value == first and time.monotonic() < deadline:
@@ -148,8 +155,59 @@ def test_memory_and_utilisation_refresh_in_the_background(make_panel: Callable[.
     assert panel.refreshed.value.startswith("live · updated ")
 
     panel.close()
-    time.sleep(0.2)
-    assert not [t for t in threading.enumerate() if t.name == "accelnb-panel-refresh"]
+    refresher.join(timeout=5)
+    assert not refresher.is_alive(), "close() did not end the refresh thread"
+
+
+def _the_refresh_thread() -> threading.Thread:
+    """The one panel refresh thread running now (the panel that just started it)."""
+    (refresher,) = [t for t in threading.enumerate() if t.name == "accelnb-panel-refresh" and t.is_alive()]
+    return refresher
+
+
+def _subscriptions() -> tuple[int, int, int]:
+    return selection.listener_count(), run_state.run_listener_count(), run_state.wait_hook_count()
+
+
+def _let_ipywidgets_forget(panel: Panel) -> None:
+    """Drop ipywidgets' own hold on the panel's widgets, as a weak-reference build would.
+
+    ipywidgets 8.1 keeps every widget in its registry (``Widget.widgets``) and each widget's comm
+    keeps its message handler until the widget is closed, so no widget is ever collected before
+    ``close()``; ipywidgets' weak-reference mode (jupyter-widgets/ipywidgets#3893) lifts both.
+    Here the comms are closed as a frontend closes them (``CommManager.comm_close``) and the
+    widgets are taken out of the registry, leaving only what accelnb holds.
+    """
+    tree: list[Any] = [panel]
+    for widget in tree:
+        tree.extend(getattr(widget, "children", ()))
+    manager = comm.get_comm_manager()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # Widget.widgets: the public, deprecated name
+        registry = widgets.Widget.widgets
+    for widget in tree:
+        manager.comm_close(None, None, {"content": {"comm_id": widget.model_id, "data": {}}})
+        registry.pop(widget.model_id, None)
+
+
+def test_a_dropped_panel_is_collected_and_leaves_no_subscription_behind() -> None:
+    before = _subscriptions()
+    panel = Panel(refresh_interval=0.05, inventory_source=lambda: synthetic_inventory(2))
+    refresher = _the_refresh_thread()
+    assert _subscriptions() == (before[0] + 1, before[1] + 1, max(before[2], 1))
+    collected = threading.Event()
+    weakref.finalize(panel, collected.set)
+
+    _let_ipywidgets_forget(panel)
+    del panel
+    gc.collect()
+
+    assert collected.is_set(), "something still holds the panel"
+    assert _subscriptions() == before
+    refresher.join(timeout=5)
+    assert not refresher.is_alive()
+    set_selection(gpus=[1])  # nothing is left listening for it, and nothing breaks
+    run_state.publish()
 
 
 def test_a_bad_refresh_interval_is_refused() -> None:

@@ -1,12 +1,22 @@
-"""The pure planner: selections in, per-rank specs out (no processes, no GPU needed)."""
+"""The pure planner: selections in, per-rank specs out (no processes, no GPU needed).
+
+``accelnb.kernel.planning.plan`` takes plain values and an inventory, and reads nothing else; the
+public ``accelnb.plan`` is what a launch plans (options checked, the picker's selection resolved).
+Inventories are injected: synthetic ones, or ones built here with the GPUs a test needs.
+"""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from accelnb import GpuSelectionError, LaunchConfigError, plan, synthetic_inventory
+import accelnb
+from accelnb import GpuSelectionError, LaunchConfigError, synthetic_inventory
 from accelnb.kernel.inventory import Inventory
+from accelnb.kernel.planning import DEVICE_ENV, plan
 from accelnb.kernel.selection import clear_selection, set_selection
+from accelnb.worker import cell_runner
 
 EIGHT = synthetic_inventory(8)
 NONE = Inventory(source="none", note="no NVIDIA driver found")
@@ -26,7 +36,7 @@ def test_selection_3_4_5_7_maps_local_ranks_to_cuda_0_to_3_in_selection_order() 
         assert r.env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
         assert r.env["WORLD_SIZE"] == "4" and r.env["LOCAL_WORLD_SIZE"] == "4"
         assert r.env["RANK"] == str(r.rank) and r.env["LOCAL_RANK"] == str(r.local_rank)
-        assert r.env["MASTER_ADDR"] == "127.0.0.1"
+        assert r.env["MASTER_ADDR"] == "127.0.0.1" and r.env["NODE_RANK"] == "0"
     assert p.backend == "nccl"
 
 
@@ -36,12 +46,12 @@ def test_selection_order_is_kept_not_sorted() -> None:
     assert p.ranks[0].env["CUDA_VISIBLE_DEVICES"] == "7,3"
 
 
-def test_two_nodes_of_five_gpus_rank_5_uses_local_device_0() -> None:
-    second_node = plan("0,1,2,3,4", inventory=real(synthetic_inventory(5)), nnodes=2, node_rank=1)
-    rank5 = second_node.ranks[0]
-    assert (rank5.rank, rank5.local_rank, rank5.device, rank5.world_size) == (5, 0, "cuda:0", 10)
-    assert [r.rank for r in second_node.ranks] == [5, 6, 7, 8, 9]
-    assert rank5.env["NODE_RANK"] == "1" and rank5.env["LOCAL_WORLD_SIZE"] == "5"
+def test_the_device_is_decided_once_and_handed_to_each_rank() -> None:
+    assert cell_runner.DEVICE_ENV == DEVICE_ENV  # the worker side reads the name the planner writes
+    for p in (plan("2,6", inventory=real(EIGHT)), plan("2,6", inventory=EIGHT),
+              plan(num_processes=3, inventory=NONE), plan(num_processes=2, inventory=real(EIGHT), cpu=True)):
+        assert [r.env[DEVICE_ENV] for r in p.ranks] == [r.device for r in p.ranks]
+    assert [r.device for r in plan("2,6", inventory=real(EIGHT)).ranks] == ["cuda:0", "cuda:1"]
 
 
 def test_uuids_and_all_select_gpus() -> None:
@@ -50,13 +60,16 @@ def test_uuids_and_all_select_gpus() -> None:
     assert len(plan("all", inventory=real(EIGHT)).ranks) == 8
 
 
-def test_no_selection_means_every_visible_gpu_or_the_picker_selection() -> None:
-    assert len(plan(inventory=real(EIGHT)).ranks) == 8
+def test_the_planner_reads_no_notebook_state_the_public_plan_uses_the_pickers_selection() -> None:
     set_selection(gpus=[2, 5])
     try:
-        assert [r.gpu.index for r in plan(inventory=real(EIGHT)).ranks if r.gpu] == [2, 5]
+        assert len(plan(inventory=real(EIGHT)).ranks) == 8  # pure: every visible GPU
+        assert [r.gpu.index for r in accelnb.plan(inventory=real(EIGHT)).ranks if r.gpu] == [2, 5]
+        # An explicit choice wins over the picker.
+        assert len(accelnb.plan(num_processes=3, inventory=real(EIGHT)).ranks) == 3
     finally:
         clear_selection()
+    assert len(accelnb.plan(inventory=real(EIGHT)).ranks) == 8
 
 
 def test_num_processes_without_gpus_plans_cpu_ranks_on_gloo() -> None:
@@ -77,17 +90,22 @@ def test_synthetic_inventory_runs_gpu_plans_on_cpu_and_says_so() -> None:
 @pytest.mark.parametrize(("kwargs", "message"), [
     ({"gpus": "9"}, "GPU 9 does not exist on this machine. GPUs visible to this kernel: 0 ("),
     ({"gpus": "1,1"}, "GPU 1 is selected more than once"),
+    ({"gpus": "2,1,2,1,3"}, "GPU 1, 2 is selected more than once"),
     ({"gpus": ""}, "The GPU selection is empty"),
     ({"gpus": "0,1", "num_processes": 3}, "gpus= selects 2 GPU(s) but num_processes=3"),
-    ({"num_processes": 0}, "num_processes must be at least 1"),
-    ({"gpus": "0", "backend": "ncl"}, "Unknown backend 'ncl'"),
     ({"num_processes": 9}, "asks for more GPUs than the 8 visible"),
-    ({"gpus": "0", "mixed_precision": "fp32"}, "mixed_precision='fp32' is not one of"),
 ])
 def test_bad_selections_explain_themselves(kwargs: dict, message: str) -> None:
     with pytest.raises(LaunchConfigError) as info:
         plan(inventory=real(EIGHT), **kwargs)
     assert message in str(info.value)
+
+
+def test_the_public_plan_checks_the_options_first() -> None:
+    with pytest.raises(LaunchConfigError, match="backend='ncl' must be"):
+        accelnb.plan(gpus="0", backend="ncl", inventory=real(EIGHT))
+    with pytest.raises(LaunchConfigError, match="num_processes must be at least 1"):
+        accelnb.plan(num_processes=0, inventory=real(EIGHT))
 
 
 def test_without_gpus_the_error_says_to_pass_num_processes() -> None:
@@ -97,11 +115,11 @@ def test_without_gpus_the_error_says_to_pass_num_processes() -> None:
         plan(num_processes=2, inventory=NONE, backend="nccl")
 
 
-def test_gpus_hidden_by_the_kernels_cuda_visible_devices_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    from accelnb.kernel.inventory import _kernel_visible_filter
-
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,2")
-    filtered = Inventory(gpus=tuple(_kernel_visible_filter(list(EIGHT.gpus))), source="nvml")
-    assert [g.index for g in filtered.visible] == [0, 2]
-    with pytest.raises(GpuSelectionError, match="hidden from this kernel by its CUDA_VISIBLE_DEVICES"):
-        plan("1", inventory=filtered)
+def test_gpus_hidden_by_the_kernels_cuda_visible_devices_are_refused() -> None:
+    # What read_inventory() returns under CUDA_VISIBLE_DEVICES=0,2: every GPU, 1 and 3+ hidden.
+    hidden = Inventory(gpus=tuple(replace(g, visible=g.index in (0, 2)) for g in EIGHT.gpus), source="nvml")
+    assert [r.gpu.index for r in plan("2,0", inventory=hidden).ranks if r.gpu] == [2, 0]
+    assert len(plan(inventory=hidden).ranks) == 2
+    with pytest.raises(GpuSelectionError, match="GPU 1 exists but is hidden from this kernel by its "
+                                                r"CUDA_VISIBLE_DEVICES. Visible: 0 \(.*\), 2 \("):
+        plan("1", inventory=hidden)

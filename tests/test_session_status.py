@@ -1,11 +1,23 @@
-"""``%distributed status``: what a session shows about its ranks, GPU memory included."""
+"""Sessions: what ``%distributed status`` shows about the ranks, and how a session's workers end.
+
+Every test here checks, by pid, that no worker outlives it (``no_leftovers``); the lifecycle
+tests also assert it right where the workers must be gone, not only at the end.
+"""
 
 from __future__ import annotations
 
+import gc
 import os
 
+import psutil
+import pytest
+
+from accelnb import LaunchConfigError, Session
 from accelnb.kernel.inventory import GpuInfo, GpuProcess, Inventory
-from accelnb.session import Session, _gpu_memory_of
+from accelnb.session import _gpu_memory_of
+from tests.conftest import worker_processes
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
 
 MIB = 2**20
 
@@ -35,4 +47,43 @@ def test_a_cpu_session_lists_ranks_pids_and_host_memory() -> None:
     for rank in (0, 1):
         assert lines[1 + rank].startswith(f"  rank {rank} → cpu  pid {pids[rank]}  memory ")
         assert lines[1 + rank].endswith(" MiB") and "GPU memory" not in lines[1 + rank]
-    assert session.status().splitlines()[0] == "accelnb session: 2 rank(s), backend gloo, ended"
+    ended = session.status().splitlines()
+    assert ended[0] == "accelnb session: 2 rank(s), backend gloo, ended"
+    assert all(line.endswith("memory gone") for line in ended[1:])
+    assert worker_processes() == []
+
+
+def _gone(pids: list[int]) -> bool:
+    return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                   for pid in pids)
+
+
+def test_leaving_the_with_block_stops_every_worker() -> None:
+    with Session.start(num_processes=2, quiet=True) as session:
+        pids = list(session.run(os.getpid).values.values())
+        assert sorted(p.pid for p in worker_processes()) == sorted(pids)
+    assert not session.alive
+    assert worker_processes() == [] and _gone(pids)
+    session.stop()  # stopping again is harmless
+
+
+def test_an_exception_in_the_with_block_still_stops_the_workers() -> None:
+    with pytest.raises(KeyError), Session.start(num_processes=2, quiet=True) as session:
+        assert len(worker_processes()) == 2
+        raise KeyError("the user's own bug")
+    assert not session.alive and worker_processes() == []
+
+
+def test_a_dropped_session_stops_its_workers() -> None:
+    session = Session.start(num_processes=2, quiet=True)
+    pids = list(session.run(os.getpid).values.values())
+    del session  # reassigning the notebook variable, or `del`, drops the last reference
+    gc.collect()
+    assert worker_processes() == [] and _gone(pids)
+
+
+def test_a_stopped_session_refuses_calls_with_a_way_forward() -> None:
+    session = Session.start(num_processes=2, quiet=True)
+    session.stop()
+    with pytest.raises(LaunchConfigError, match=r"This session has ended. Start a new one with Session.start\(\)"):
+        session.run(os.getpid)

@@ -1,10 +1,17 @@
-"""Failure records of ranks, and the one exception the user sees for a failed run.
+"""From what happened to what the user reads: failure records, and the one exception for a run.
 
-Each failed rank becomes a :class:`RankFailure`. The earliest one is the root cause and comes
-first; ranks that failed *because* of it (a peer vanished mid-collective) or were stopped by
-accelnb are listed after it in one line each. The exception raised in the kernel keeps the
-remote exception's type where possible: a ``ValueError`` on rank 1 is raised as a subclass of both
-:class:`~accelnb.errors.RankFailed` and ``ValueError``.
+The supervisor records each rank that did not finish as a :class:`~accelnb.errors.RankFailure`
+(with the constructors here, so that every summary is worded in this one place) and returns a
+:class:`~accelnb.kernel.call_outcome.CallOutcome`; :func:`exception_for` turns that into the
+exception the cell shows, or None when every rank answered.
+
+The earliest failure is the root cause and comes first; ranks that failed *because* of it (a peer
+vanished mid-collective) or were stopped by accelnb are listed after it in one line each. The
+exception raised in the kernel keeps the remote exception's type where possible: a ``ValueError``
+on rank 1 is raised as a subclass of both :class:`~accelnb.errors.RankFailed` and ``ValueError``.
+
+    >>> error = exception_for(outcome, show_output_of={0}, persistent=False)   # doctest: +SKIP
+    >>> if error is not None: raise error                                      # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -12,27 +19,62 @@ from __future__ import annotations
 import signal
 from collections.abc import Sequence
 
-import cloudpickle
-
-from accelnb.errors import LaunchFailed, LaunchTimeout, RankCrashed, RankFailed, RankFailure
+from accelnb.errors import (
+    HelperDied,
+    LaunchFailed,
+    LaunchTimeout,
+    RankCrashed,
+    RankFailed,
+    RankFailure,
+    RunInterrupted,
+)
+from accelnb.kernel.call_outcome import CallOutcome, HelperExit
 from accelnb.kernel.stacks import clean_stack_dump
+from accelnb.wire.events import CallError
+from accelnb.wire.result_pickling import loads_in_kernel
+
+# The exit status of a worker whose set-up failed before it could report why: worker/helper.py
+# exits with 70 (os.EX_SOFTWARE) when anything before worker_main raises.
+SETUP_FAILED_EXIT_CODE = 70
+
+_SIGNAL_HINTS = {
+    "SIGKILL": " (sent by the kernel's OOM killer when memory runs out, or by `kill -9`)",
+    "SIGSEGV": " (a segmentation fault in native code)",
+    "SIGABRT": " (native code aborted, e.g. a failed CUDA/NCCL assertion)",
+    "SIGBUS": " (bad memory access; on Docker often a too-small /dev/shm)",
+}
 
 
-def signal_failure(rank: int, pid: int, exit_code: int, output_tail: str) -> RankFailure:
-    """A rank that ended without reporting: by a signal (negative code) or a bare exit."""
+# ── failure records ─────────────────────────────────────────────────────────────────────────────
+def exception_failure(rank: int, pid: int, event: CallError, output_tail: str) -> RankFailure:
+    """A rank reported an exception: raised by the function, or by the set-up before it."""
+    summary = f"{event.type_name}: {event.message}" if event.message else event.type_name
+    return RankFailure(rank=rank, pid=pid, kind="exception", summary=summary, traceback=event.traceback,
+                       type_name=event.type_name, exception=event.exception, output_tail=output_tail,
+                       timestamp=event.timestamp, in_setup=event.call_id is None)
+
+
+def exit_failure(rank: int, pid: int, exit_code: int, output_tail: str, timestamp: float, *,
+                 joined: bool = True) -> RankFailure:
+    """A rank that ended without reporting: by a signal (negative code) or a bare exit.
+
+    ``joined``: it had joined the process group (so an exit code of 70 was the function's own).
+    """
     if exit_code < 0:
         name = _signal_name(-exit_code)
-        hint = {
-            "SIGKILL": " (sent by the kernel's OOM killer when memory runs out, or by `kill -9`)",
-            "SIGSEGV": " (a segmentation fault in native code)",
-            "SIGABRT": " (native code aborted, e.g. a failed CUDA/NCCL assertion)",
-            "SIGBUS": " (bad memory access; on Docker often a too-small /dev/shm)",
-        }.get(name, "")
-        return RankFailure(rank, pid, "signal", f"killed by {name}{hint}", exit_code=exit_code,
-                           signal_name=name, output_tail=clean_stack_dump(output_tail))
-    return RankFailure(rank, pid, "exit", f"exited with code {exit_code} without returning "
-                       "(os._exit() or a crash in native code)", exit_code=exit_code,
-                       output_tail=output_tail)
+        return RankFailure(rank, pid, "signal", f"killed by {name}{_SIGNAL_HINTS.get(name, '')}",
+                           exit_code=exit_code, signal_name=name, output_tail=clean_stack_dump(output_tail),
+                           timestamp=timestamp)
+    if exit_code == SETUP_FAILED_EXIT_CODE and not joined:
+        return RankFailure(rank, pid, "exit", f"accelnb's worker set-up failed (exit code {exit_code}) before "
+                           "it could report why", exit_code=exit_code, output_tail=output_tail,
+                           timestamp=timestamp, in_setup=True)
+    if exit_code == 0:
+        summary = "exited with code 0 before returning (sys.exit(0) or os._exit(0) inside the function?)"
+    else:
+        summary = f"exited with code {exit_code} without returning (os._exit() or a crash in native code)"
+    return RankFailure(rank, pid, "exit", summary, exit_code=exit_code, output_tail=output_tail,
+                       timestamp=timestamp)
 
 
 def _signal_name(number: int) -> str:
@@ -42,29 +84,104 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
-def build_exception(failures: Sequence[RankFailure], stopped: Sequence[int],
-                    show_output_of: set[int], timed_out_after: float | None = None,
-                    stacks: dict[int, str] | None = None, session_ended: bool = False) -> LaunchFailed:
-    """The exception for a failed run, root cause first."""
-    # A peer that lost its partner mid-collective often reports before the partner's death is
-    # reaped; such echoes never count as the root cause while another rank crashed.
-    crashed = any(f.kind in ("signal", "exit") for f in failures)
-    ordered = sorted(failures, key=lambda f: (crashed and _is_peer_loss(f), f.timestamp))
-    lines: list[str] = []
-    if timed_out_after is not None:
-        lines.append(f"The run did not finish within timeout={timed_out_after:g} s; every rank was "
-                     "stopped. Each rank's Python stack at that moment:")
-        for rank, stack in sorted((stacks or {}).items()):
-            lines.append("")
-            lines.append(f"── rank {rank} ──")
-            lines.extend(_prefixed(stack.strip() or "(no stack: the rank was in native code or exited)", rank))
-        lines.append("")
-        lines.append("A rank waiting in a collective (all_reduce, barrier) usually means another rank "
-                     "skipped it or is stuck earlier. Raise timeout= if the work is just slow.")
-        return LaunchTimeout("\n".join(lines), tuple(ordered))
+def describe_exit_status(exit_code: int | None) -> str:
+    """``killed by SIGKILL (…)``, ``exited with code 1``, or that the status is unknown."""
+    if exit_code is None:
+        return "its exit status could not be read"
+    if exit_code < 0:
+        name = _signal_name(-exit_code)
+        return f"killed by {name}{_SIGNAL_HINTS.get(name, '')}"
+    return f"exited with code {exit_code}"
 
+
+# ── the exception for a call ────────────────────────────────────────────────────────────────────
+def exception_for(outcome: CallOutcome, *, show_output_of: set[int],
+                  persistent: bool) -> LaunchFailed | RunInterrupted | None:
+    """What the cell raises for ``outcome``; None when every rank answered."""
+    if outcome.ending == "answered":
+        return None
+    if outcome.ending == "helper_died":
+        assert outcome.helper_exit is not None
+        return helper_died(outcome.helper_exit, "during the run", persistent=persistent,
+                           failures=outcome.failures)
+    if outcome.ending == "interrupted":
+        return run_interrupted(outcome, persistent=persistent)
+    if outcome.ending == "timed_out":
+        return timed_out(outcome.timeout, outcome.stacks, outcome.failures)
+    return build_exception(outcome.failures, outcome.stopped, show_output_of,
+                           session_ended=persistent and not outcome.workers_kept)
+
+
+def run_interrupted(outcome: CallOutcome, *, persistent: bool) -> RunInterrupted:
+    """One short message: what the interrupt stopped, and what is left."""
+    on_what = "on the Stop request" if outcome.stop_source == "stop_request" else "on the interrupt"
+    if outcome.workers_kept and outcome.phase == "unsent":
+        return RunInterrupted("accelnb interrupted the cell before it reached the workers; the session and "
+                              "its variables are kept.")
+    if outcome.workers_kept:
+        return RunInterrupted("accelnb interrupted the cell on every rank; the session and its variables "
+                              "are kept.")
+    if persistent and outcome.phase == "sending":
+        return RunInterrupted(f"accelnb stopped the run while sending it to the workers: every worker was "
+                              f"ended {on_what}, and the session was closed (a half-sent call cannot be "
+                              "taken back). Start a new one with Session.start() or %distributed start.")
+    if persistent:
+        return RunInterrupted(f"accelnb stopped the run: every worker was ended {on_what} (a rank did not "
+                              "respond to the interrupt, so the session was closed).")
+    return RunInterrupted(f"accelnb stopped the run: every worker was ended {on_what}.")
+
+
+def start_interrupted() -> RunInterrupted:
+    return RunInterrupted("accelnb stopped the launch while starting its workers; no worker is left.")
+
+
+def interrupted_outside_call(*, persistent: bool) -> RunInterrupted:
+    """An interrupt that landed around the call (ending the workers after it answered, say)."""
+    return RunInterrupted("accelnb stopped the run: every worker was ended on the interrupt"
+                          + (", and the session was closed." if persistent else "."))
+
+
+def helper_died(death: HelperExit, moment: str, *, persistent: bool = False, had_workers: bool = True,
+                failures: Sequence[RankFailure] = ()) -> HelperDied:
+    """accelnb's helper process died ``moment`` ("while starting workers", "during the run"…)."""
+    lines = [f"accelnb's helper process (pid {death.pid}, the clean process that forks the workers) died "
+             f"{moment}: {describe_exit_status(death.exit_code)}."]
+    if death.stderr.strip():
+        lines += ["It printed:", *("  " + line for line in death.stderr.strip().splitlines())]
+    if had_workers:
+        lines.append("Every worker was ended with it.")
+    if death.exit_code is not None and death.exit_code > 0:
+        lines.append("Check that `python -c 'import torch'` works in this environment.")
+    lines.append("The next launch starts a new helper"
+                 + ("; if memory ran out, use fewer ranks or smaller batches." if death.exit_code == -9 else "."))
+    if persistent:
+        lines.append("The persistent session was closed. Start a new one with Session.start() or "
+                     "%distributed start.")
+    return HelperDied("\n".join(lines), tuple(failures), helper_pid=death.pid, exit_code=death.exit_code)
+
+
+def timed_out(timeout: float | None, stacks: dict[int, str], failures: Sequence[RankFailure]) -> LaunchTimeout:
+    lines = [f"The run did not finish within timeout={timeout:g} s; every rank was "
+             "stopped. Each rank's Python stack at that moment:"]
+    for rank, stack in sorted(stacks.items()):
+        lines.append("")
+        lines.append(f"── rank {rank} ──")
+        lines.extend(_prefixed(stack.strip() or "(no stack: the rank was in native code or exited)", rank))
+    lines.append("")
+    lines.append("A rank waiting in a collective (all_reduce, barrier) usually means another rank "
+                 "skipped it or is stuck earlier. Raise timeout= if the work is just slow.")
+    return LaunchTimeout("\n".join(lines), tuple(_root_cause_first(failures)))
+
+
+def build_exception(failures: Sequence[RankFailure], stopped: Sequence[int], show_output_of: set[int],
+                    session_ended: bool = False) -> LaunchFailed:
+    """The exception for a run in which ranks failed, root cause first."""
+    ordered = _root_cause_first(failures)
     root = ordered[0]
-    lines.append(f"Rank {root.rank} failed: {root.summary}")
+    lines = [f"Rank {root.rank} failed: {root.summary}"]
+    if root.in_setup:
+        lines.append("This happened while accelnb set the worker up (its environment, the process "
+                     "group), before your function ran.")
     if root.traceback:
         lines.append("")
         lines.extend(_prefixed(root.traceback.rstrip(), root.rank))
@@ -81,10 +198,16 @@ def build_exception(failures: Sequence[RankFailure], stopped: Sequence[int],
         lines.append("The persistent session was closed: not every rank could continue. "
                      "Start a new one with %distributed start.")
     message = "\n".join(lines)
-
     if root.kind != "exception":
         return RankCrashed(message, tuple(ordered))
-    return _typed_rank_failed(message, tuple(ordered), root)
+    return RankFailed.like(_original_type(root), message, ordered)
+
+
+def _root_cause_first(failures: Sequence[RankFailure]) -> list[RankFailure]:
+    # A peer that lost its partner mid-collective often reports before the partner's death is
+    # reaped; such echoes never count as the root cause while another rank crashed.
+    crashed = any(f.kind in ("signal", "exit") for f in failures)
+    return sorted(failures, key=lambda f: (crashed and _is_peer_loss(f), f.timestamp))
 
 
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Read error",
@@ -100,25 +223,13 @@ def _prefixed(text: str, rank: int) -> list[str]:
     return [f"[rank {rank}] {line}" for line in text.splitlines()]
 
 
-def _typed_rank_failed(message: str, failures: tuple[RankFailure, ...], root: RankFailure) -> LaunchFailed:
-    original = _original_type(root)
-    if original is not None and issubclass(original, Exception) and not issubclass(original, LaunchFailed):
-        try:
-            cls: type[RankFailed] = type(original.__name__, (RankFailed, original),
-                                         {"__module__": "accelnb.remote"})
-            error = cls.__new__(cls)
-            RankFailed.__init__(error, message, failures)
-            return error
-        except TypeError:  # incompatible layouts (rare C exception types)
-            pass
-    return RankFailed(message, failures)
-
-
-def _original_type(root: RankFailure) -> type | None:
+def _original_type(root: RankFailure) -> type[BaseException] | None:
+    """The remote exception's type, unpickled the kernel-safe way (no CUDA in the kernel)."""
     if root.exception is None:
         return None
     try:
-        exc = cloudpickle.loads(root.exception)
-    except Exception:
+        exc = loads_in_kernel(root.exception)
+    except Exception:  # its class may not import here, or its __reduce__ may not run here
         return None
     return type(exc) if isinstance(exc, BaseException) else None
+

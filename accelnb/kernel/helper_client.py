@@ -1,10 +1,18 @@
-"""The kernel's handle on the worker helper process (see ``worker/helper.py`` for the why).
+"""The kernel's handle on accelnb's helper process (see ``worker/helper.py`` for the why).
 
 One helper serves a kernel for its whole life; it is started on first use (or ahead of time by
-:func:`prewarm`) and restarted if it died. Only the thread that launches talks to it.
+:func:`prewarm`) and replaced, after being closed, when it died. Only the thread that launches
+talks to it.
 
     >>> helper = shared_helper()            # starts it, ~2-5 s the first time
     >>> pids = helper.spawn(specs, fds)     # ms: forks one worker per spec
+
+The helper can die at any moment (the OOM killer picks it, a user's ``kill``). Its end of the
+socket then closes: :attr:`WorkerHelper.lost` becomes True, whoever waits on it stops waiting,
+and :meth:`WorkerHelper.death` says how it ended. Its workers die with it (``PR_SET_PDEATHSIG``).
+
+A spawn request interrupted before its answer (Ctrl-C) is reclaimed: the workers it forked are
+killed before the interrupt goes on, so no worker outlives a launch that never learned its pids.
 """
 
 from __future__ import annotations
@@ -13,21 +21,39 @@ import atexit
 import os
 import pickle
 import select
+import signal
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from accelnb.errors import WorkerStartError
+from accelnb.kernel.call_outcome import HelperExit
+from accelnb.kernel.failure_report import helper_died
 from accelnb.wire.spec import WorkerSpec
 
 START_TIMEOUT_S = 120.0
+SPAWN_TIMEOUT_S = 60.0
+RECLAIM_WAIT_S = 2.0  # an interrupted spawn: how long to wait for the pids of what was forked
+DEATH_STATUS_WAIT_S = 1.0  # its socket closed: how long the process may take to be reapable
+
+StepHook = Callable[[str], None]  # called at named steps; tests inject faults there
+
+
+@dataclass(frozen=True)
+class WorkerExit:
+    """A worker's end, as the helper reaped it."""
+
+    code: int  # negative: killed by that signal
+    time: float  # wall time of the reaping
 
 
 class WorkerHelper:
-    """A running helper process and the exit codes it reported."""
+    """A running helper process and the worker exits it reported."""
 
     def __init__(self, preimports: Sequence[str] = ()) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -35,67 +61,162 @@ class WorkerHelper:
         package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         python_path = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONPATH": python_path}
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "accelnb.worker.helper", str(theirs.fileno()), *preimports],
-            pass_fds=(theirs.fileno(),),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
-            start_new_session=True,  # the notebook's interrupt must not reach the helper
-            env=env,
-        )
-        theirs.close()
+        try:
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", "accelnb.worker.helper", str(theirs.fileno()), *preimports],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # the notebook's interrupt must not reach the helper
+                env=env,
+            )
+        except BaseException:
+            ours.close()
+            raise
+        finally:
+            theirs.close()
         self._sock = ours
         self._ready = False
+        self._closed = False
         self._next_request = 0
-        self.exit_codes: dict[int, int] = {}
-        self.exit_times: dict[int, float] = {}
+        self._exits: dict[int, WorkerExit] = {}
+        self._abandoned_requests: set[int] = set()
+        self._disowned_pids: set[int] = set()  # forked for a request nobody waits for any more
+        self.lost = False  # its end of the socket closed: it died
         self.pid = self._process.pid
 
-    def wait_ready(self) -> None:
-        if self._ready:
-            return
-        message = self._receive(timeout=START_TIMEOUT_S)
-        if message is None or message[0] != "ready":
-            self._process.kill()
-            _, stderr = self._process.communicate(timeout=10)
-            raise WorkerStartError(
-                "accelnb's worker helper process could not start"
-                + (f":\n{stderr.decode(errors='replace').strip()}" if stderr else ".")
-                + "\nCheck that torch imports in a fresh `python -c 'import torch'`.")
-        self._ready = True
-        assert self._process.stderr is not None
-        self._process.stderr.close()  # it points its stderr at /dev/null once ready
-
+    # ── its life ────────────────────────────────────────────────────────────────────────────
     @property
     def alive(self) -> bool:
-        return self._process.poll() is None
+        return not self.lost and not self._closed and self._process.poll() is None
 
     def fileno(self) -> int:
         return self._sock.fileno()
 
-    def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[int]) -> list[int]:
-        """Fork one worker per spec; ``fds`` are their pipe ends in order (see worker/helper.py)."""
+    def wait_ready(self, on_step: StepHook | None = None) -> None:
+        """Block until the helper imported torch; raises if it died or never got there."""
+        if self._ready:
+            return
+        if on_step is not None:
+            on_step("helper-starting")
+        message = self._receive(timeout=START_TIMEOUT_S)
+        if message is None and self.lost:
+            raise helper_died(self.death(), "while starting, before it was ready", had_workers=False)
+        if message is None or message[0] != "ready":
+            self.close()
+            raise WorkerStartError(
+                f"accelnb's helper process was not ready within {START_TIMEOUT_S:g} s (it imports torch "
+                "first), so accelnb ended it. Check that `python -c 'import torch'` works and is quick.")
+        self._ready = True
+        self._close_start_stderr()  # it points its stderr at /dev/null once ready
+
+    def death(self) -> HelperExit:
+        """How it ended (call once :attr:`lost`): waits a moment for its exit status."""
+        try:
+            code: int | None = self._process.wait(timeout=DEATH_STATUS_WAIT_S)
+        except subprocess.TimeoutExpired:
+            code = None
+        return HelperExit(self.pid, code, self._start_stderr())
+
+    def close(self) -> None:
+        """Stop the helper (it kills any worker still running) and free its fds. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._sock.close()
+        self._close_start_stderr()
+        try:
+            self._process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._process.kill()
+            self._process.wait()
+
+    # ── forking workers ─────────────────────────────────────────────────────────────────────
+    def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[int], on_step: StepHook | None = None) -> list[int]:
+        """Fork one worker per spec; ``fds`` are their pipe ends in order (see worker/helper.py).
+
+        Raises :class:`~accelnb.errors.HelperDied` when the helper dies meanwhile. Whatever
+        interrupts the wait (Ctrl-C) leaves no worker of this request behind.
+        """
         self.wait_ready()
         self._next_request += 1
         request = self._next_request
-        socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs)))], list(fds))
-        while True:
-            message = self._receive(timeout=60)
-            if message is None:
-                raise WorkerStartError("accelnb's worker helper process died while starting workers.")
-            if message[0] == "spawned" and message[1] == request:
-                pids: list[int] = message[2]
-                return pids
-            if message[0] == "spawn_failed" and message[1] == request:
-                raise WorkerStartError(f"Starting the workers failed: {message[2]}")
+        try:
+            socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs)))], list(fds))
+        except OSError:
+            if self._peer_closed():
+                raise helper_died(self.death(), "while starting workers") from None
+            raise
+        try:
+            if on_step is not None:
+                on_step("spawn-requested")
+            reply = self._await_reply(request, time.monotonic() + SPAWN_TIMEOUT_S)
+        except BaseException:
+            self._reclaim(request)
+            raise
+        if reply is None and self.lost:
+            raise helper_died(self.death(), "while starting workers")
+        if reply is None:
+            self._reclaim(request)
+            raise WorkerStartError(f"accelnb's helper process did not fork the workers within "
+                                   f"{SPAWN_TIMEOUT_S:g} s; they were stopped. Try again.")
+        if reply[0] == "spawn_failed":
+            raise WorkerStartError(f"accelnb's helper process could not fork the workers: {reply[2]}")
+        pids: list[int] = reply[2]
+        return pids
 
+    def _await_reply(self, request: int, deadline: float) -> Any | None:
+        """The helper's answer to ``request``; None when it died or the deadline passed."""
+        while not self.lost:
+            message = self._receive(timeout=max(0.0, deadline - time.monotonic()))
+            if message is not None and message[0] in ("spawned", "spawn_failed") and message[1] == request:
+                return message
+            if message is None and time.monotonic() >= deadline:
+                return None
+        return None
+
+    def _reclaim(self, request: int) -> None:
+        """Kill whatever ``request`` forked; bounded, and a second interrupt cuts it short."""
+        self._abandoned_requests.add(request)  # a late answer is reclaimed in _note
+        try:
+            deadline = time.monotonic() + RECLAIM_WAIT_S
+            reply = self._await_reply(request, deadline)
+            if reply is not None and reply[0] == "spawned":
+                self.wait_for_exits(reply[2], deadline)
+        except KeyboardInterrupt:
+            pass  # no more patience; the workers still die on their inbox's end of file
+
+    # ── worker exits ────────────────────────────────────────────────────────────────────────
     def collect(self) -> None:
         """Read every message that is waiting, without blocking."""
         while self._receive(timeout=0) is not None:
             pass
 
+    def take_exit(self, pid: int) -> WorkerExit | None:
+        """The reported exit of ``pid``, forgotten once taken; None while it runs."""
+        return self._exits.pop(pid, None)
+
+    def forget(self, pids: Iterable[int]) -> None:
+        """Exits of these pids are nobody's business any more (their group was closed)."""
+        for pid in pids:
+            if self._exits.pop(pid, None) is None:  # not reported yet: drop the report when it comes
+                self._disowned_pids.add(pid)
+
+    def wait_for_exits(self, pids: Iterable[int], deadline: float) -> None:
+        """SIGKILL these workers' process groups and wait (until ``deadline``) for their exits."""
+        waiting = set(pids)
+        for pid in waiting:
+            _kill_group(pid)
+        self.forget(waiting)
+        while waiting & self._disowned_pids and not self.lost and time.monotonic() < deadline:
+            self._receive(timeout=max(0.0, deadline - time.monotonic()))
+
+    # ── the socket ──────────────────────────────────────────────────────────────────────────
     def _receive(self, timeout: float) -> Any | None:
+        """One message, or None when none came within ``timeout`` or the helper is gone."""
+        if self.lost or self._closed:
+            return None
         readable, _, _ = select.select([self._sock], [], [], timeout)
         if not readable:
             return None
@@ -104,38 +225,89 @@ class WorkerHelper:
         except OSError:
             data = b""
         if not data:
+            self.lost = True
             return None
         message = pickle.loads(data)
-        if message[0] == "exited":
-            self.exit_codes[message[1]] = message[2]
-            self.exit_times[message[1]] = message[3]
+        self._note(message)
         return message
 
-    def close(self) -> None:
-        """Stop the helper; it kills any worker still running."""
-        self._sock.close()
+    def _note(self, message: Any) -> None:
+        if message[0] == "exited":
+            pid, code, reaped_at = message[1], message[2], message[3]
+            if pid in self._disowned_pids:
+                self._disowned_pids.discard(pid)
+            else:
+                self._exits[pid] = WorkerExit(code, reaped_at)
+        elif message[0] == "spawned" and message[1] in self._abandoned_requests:
+            self._abandoned_requests.discard(message[1])
+            for pid in message[2]:
+                _kill_group(pid)
+            self.forget(message[2])
+        elif message[0] == "spawn_failed":
+            self._abandoned_requests.discard(message[1])
+
+    def _peer_closed(self) -> bool:
+        self.collect()
+        return self.lost
+
+    def _start_stderr(self) -> str:
+        stream = self._process.stderr
+        if stream is None or stream.closed or self._process.returncode is None:
+            return ""
         try:
-            self._process.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._process.kill()
-            self._process.wait()
+            return stream.read().decode(errors="replace")
+        except (OSError, ValueError):
+            return ""
+
+    def _close_start_stderr(self) -> None:
+        if self._process.stderr is not None:
+            self._process.stderr.close()
+
+
+def _kill_group(pid: int) -> None:
+    """SIGKILL a worker and its process group. The pid too: a worker forked a moment ago may not
+    have called setsid() yet, and then no group of that id exists."""
+    for kill in (os.kill, os.killpg):
+        try:
+            kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 _shared: WorkerHelper | None = None
 _shared_lock = threading.Lock()
+_exit_hook_registered = False
 
 
-def shared_helper(wait: bool = True) -> WorkerHelper:
-    """The kernel's helper process, started (or restarted after a crash) when needed."""
-    global _shared
+def shared_helper(wait: bool = True, on_step: StepHook | None = None) -> WorkerHelper:
+    """The kernel's helper process, started (or, after closing the dead one, restarted) when needed.
+
+    ``on_step("helper-starting")`` runs before waiting for a helper that is not ready yet (tests).
+    """
+    global _shared, _exit_hook_registered
     with _shared_lock:
-        if _shared is None or not _shared.alive:
-            if _shared is None:
+        if _shared is not None and not _shared.alive:
+            _shared.close()
+            _shared = None
+        if _shared is None:
+            if not _exit_hook_registered:
                 atexit.register(shutdown_helper)
+                _exit_hook_registered = True
             _shared = WorkerHelper()
+        helper = _shared
     if wait:
-        _shared.wait_ready()
-    return _shared
+        try:
+            helper.wait_ready(on_step)
+        except WorkerStartError:
+            helper.close()  # dead or hopeless: the next launch starts afresh
+            raise
+    return helper
+
+
+def running_helper_pid() -> int | None:
+    """The pid of this kernel's helper process while one runs, else None (nothing is started)."""
+    helper = _shared
+    return helper.pid if helper is not None and helper.alive else None
 
 
 def prewarm() -> None:

@@ -9,8 +9,12 @@ For tests and demos on machines without a GPU, a synthetic inventory can be swit
 
     ACCELNB_SYNTHETIC_GPUS=8 jupyter lab          # eight fake "Synthetic GPU" devices
 
-or injected in code with ``use_inventory_source(lambda: synthetic_inventory(4))``. A synthetic
+or installed in code with ``set_inventory_source(lambda: synthetic_inventory(4))``. A synthetic
 inventory is marked ``synthetic=True`` and every display says so.
+
+GPUs are found by index or by UUID (:meth:`Inventory.by_uuid`); ``nvidia-smi``'s ``GPU-`` prefix
+is optional, and the kernel's own ``CUDA_VISIBLE_DEVICES`` may name a GPU by a unique prefix of
+its UUID, as CUDA allows. Both go through :func:`find_by_uuid`.
 
     >>> inv = synthetic_inventory(2)
     >>> [g.index for g in inv.gpus]
@@ -20,8 +24,7 @@ inventory is marked ``synthetic=True`` and every display says so.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, replace
 
 SYNTHETIC_ENV = "ACCELNB_SYNTHETIC_GPUS"
@@ -67,9 +70,28 @@ class Inventory:
         return next((g for g in self.gpus if g.index == index), None)
 
     def by_uuid(self, uuid: str) -> GpuInfo | None:
-        wanted = uuid.lower()
-        return next((g for g in self.gpus if g.uuid.lower() == wanted or
-                     g.uuid.lower().removeprefix("gpu-") == wanted.removeprefix("gpu-")), None)
+        """The GPU with this UUID (with or without the ``GPU-`` prefix, any case)."""
+        return find_by_uuid(self.gpus, uuid)
+
+
+def find_by_uuid(gpus: Iterable[GpuInfo], uuid: str, *, prefix: bool = False) -> GpuInfo | None:
+    """The first of ``gpus`` whose UUID is ``uuid``, or with ``prefix`` starts with it.
+
+    Case and nvidia-smi's ``GPU-`` prefix do not matter. ``prefix=True`` is CUDA's rule for
+    ``CUDA_VISIBLE_DEVICES`` (a UUID may be shortened); an empty ``uuid`` matches nothing.
+    """
+    wanted = _bare_uuid(uuid)
+    if not wanted:
+        return None
+    for gpu in gpus:
+        bare = _bare_uuid(gpu.uuid)
+        if bare == wanted or (prefix and bare.startswith(wanted)):
+            return gpu
+    return None
+
+
+def _bare_uuid(uuid: str) -> str:
+    return uuid.strip().lower().removeprefix("gpu-")
 
 
 InventorySource = Callable[[], Inventory]
@@ -109,17 +131,6 @@ def read_inventory() -> Inventory:
     return _read_nvml()
 
 
-@contextmanager
-def use_inventory_source(source: InventorySource) -> Iterator[None]:
-    """Make ``read_inventory()`` return what ``source`` returns, inside the block."""
-    global _injected_source
-    previous, _injected_source = _injected_source, source
-    try:
-        yield
-    finally:
-        _injected_source = previous
-
-
 def set_inventory_source(source: InventorySource | None) -> None:
     """Install (or with ``None`` remove) an inventory source for the rest of the session."""
     global _injected_source
@@ -136,8 +147,7 @@ def _kernel_visible_filter(gpus: list[GpuInfo]) -> list[GpuInfo]:
         if token.isdigit():
             allowed.add(int(token))
         else:
-            match = next((g for g in gpus if g.uuid.lower().startswith(token.lower())
-                          or g.uuid.lower().removeprefix("gpu-").startswith(token.lower())), None)
+            match = find_by_uuid(gpus, token, prefix=True)
             if match is None:
                 break  # CUDA stops at the first invalid entry; so do we
             allowed.add(match.index)

@@ -3,10 +3,13 @@
 Readers only *feed* bytes here; one throttled :meth:`OutputRouter.tick` draws. That keeps the
 notebook safe from floods: Jupyter silently drops output beyond its IOPub rate limit (1 MB/s,
 1000 msg/s by default), so at most ``max_bytes_per_tick`` per stream leave per tick (10 ticks a
-second), and when a rank prints faster the oldest pending lines are skipped with a marker saying
-how many. ``\\r``-updated progress bars (tqdm) are collapsed to their latest state per tick, so
-a bar renders as one updating line. Every rank's output is also retained (bounded) for error
-reports and for :meth:`LaunchResult.output`.
+second), and when a rank prints faster the oldest pending output is skipped with a notice saying
+what was skipped: whole lines are counted ("skipped 1,204 lines (80.3 KB)"), and a line too long
+to show is measured ("skipped 5.2 MB of a line"), so one giant line without a newline is shown as
+its last ``max_bytes_per_tick`` characters after an honest notice. ``\\r``-updated progress bars
+(tqdm) are collapsed to their latest state per tick, so a bar renders as one updating line. Every
+rank's output, skipped parts included, is also retained (the last ``RETAINED_BYTES_PER_RANK``) for
+error reports and for :meth:`LaunchResult.output`.
 
     >>> router = OutputRouter(live_ranks={0}, prefix=False, sink=lambda stream, text: print(text, end=""))
     >>> router.feed(0, "stdout", b"epoch 1\\n"); router.tick(force=True)
@@ -16,6 +19,7 @@ reports and for :meth:`LaunchResult.output`.
 from __future__ import annotations
 
 import codecs
+import math
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -56,7 +60,7 @@ class _StreamState:
     decoder: codecs.IncrementalDecoder = field(
         default_factory=lambda: codecs.getincrementaldecoder("utf-8")(errors="replace"))
     pending: list[str] = field(default_factory=list)
-    pending_chars: int = 0
+    pending_bytes: int = 0  # what ``pending`` was decoded from: sizes the notices without re-encoding
     at_line_start: bool = True
 
 
@@ -96,15 +100,18 @@ class OutputRouter:
     """Per-rank output: retained for everyone, streamed live for ``live_ranks``."""
 
     def __init__(self, live_ranks: Iterable[int], prefix: bool, sink: Sink = notebook_sink,
-                 max_bytes_per_tick: int = MAX_BYTES_PER_TICK) -> None:
+                 max_bytes_per_tick: int = MAX_BYTES_PER_TICK,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.live_ranks = set(live_ranks)
         self.prefix = prefix
         self.sink = sink
         self.max_bytes_per_tick = max_bytes_per_tick
+        self._clock = clock  # injectable, so tests can step through the tick throttle
         self.retained: dict[int, RetainedOutput] = {}
         self._streams: dict[tuple[int, Stream], _StreamState] = {}
-        self._last_tick = 0.0
-        self.skipped_lines = 0
+        self._last_tick = -math.inf  # the first tick always draws
+        self.skipped_lines = 0  # whole lines left out of the live view, all ranks and streams
+        self.skipped_bytes = 0  # everything left out of the live view, lines and parts of lines
 
     def feed(self, rank: int, stream: Stream, data: bytes) -> None:
         state = self._streams.setdefault((rank, stream), _StreamState())
@@ -114,10 +121,10 @@ class OutputRouter:
         self.retained.setdefault(rank, RetainedOutput()).append(text)
         if rank in self.live_ranks:
             state.pending.append(text)
-            state.pending_chars += len(text)
+            state.pending_bytes += len(data)
 
     def tick(self, force: bool = False) -> None:
-        now = time.monotonic()
+        now = self._clock()
         if not force and now - self._last_tick < TICK_INTERVAL_S:
             return
         self._last_tick = now
@@ -133,6 +140,7 @@ class OutputRouter:
                 self.retained.setdefault(rank, RetainedOutput()).append(rest)
                 if rank in self.live_ranks:
                     state.pending.append(rest)
+                    state.pending_bytes += len(rest.encode("utf-8"))
         self.tick(force=True)
 
     def tail(self, rank: int, lines: int = 30) -> str:
@@ -148,27 +156,71 @@ class OutputRouter:
         return retained.since(position) if retained else ""
 
     def _draw(self, rank: int, stream: Stream, state: _StreamState) -> None:
-        text = collapse_carriage_returns("".join(state.pending))
-        state.pending, state.pending_chars = [], 0
+        joined = "".join(state.pending)
+        bytes_per_char = 1.0 if joined.isascii() else state.pending_bytes / max(1, len(joined))  # isascii: O(1)
+        text = collapse_carriage_returns(joined)
+        state.pending, state.pending_bytes = [], 0
         if len(text) > self.max_bytes_per_tick:
-            cut = text.find("\n", len(text) - self.max_bytes_per_tick)
-            cut = cut + 1 if cut != -1 else len(text) - self.max_bytes_per_tick
-            skipped = text.count("\n", 0, cut)
-            self.skipped_lines += skipped
-            text = (f"[accelnb: skipped {skipped:,} lines of rank {rank} {stream} to keep the notebook "
-                    f"responsive; accelnb.last_result().output({rank}) has every line]\n" + text[cut:])
-            state.at_line_start = True
+            text = self._skip_to_budget(rank, stream, state, text, bytes_per_char)
         if self.prefix:
-            text, state.at_line_start = _prefix_lines(text, f"[rank {rank}] ", state.at_line_start)
+            text = _prefix_lines(text, f"[rank {rank}] ", state.at_line_start)
+        state.at_line_start = text.endswith("\n")
         self.sink(stream, text)
 
+    def _skip_to_budget(self, rank: int, stream: Stream, state: _StreamState, text: str,
+                        bytes_per_char: float) -> str:
+        """The newest ``max_bytes_per_tick`` of ``text``, after a notice of what was left out.
 
-def _prefix_lines(text: str, prefix: str, at_line_start: bool) -> tuple[str, bool]:
+        The cut falls on a line start when one is in reach, else inside a line too long to show
+        (the view then gets that line's tail). Nothing here copies or re-encodes the skipped part:
+        under a flood it is megabytes every tick. Sizes are exact for ASCII and scaled by the
+        bytes the text was decoded from otherwise.
+        """
+        keep_from = len(text) - self.max_bytes_per_tick
+        line_start = text.find("\n", keep_from) + 1
+        cut = line_start if line_start > 0 else keep_from
+        lines = text.count("\n", 0, cut)
+        unfinished_from = text.rfind("\n", 0, cut) + 1  # where the line the cut falls in starts
+        whole_bytes = round(unfinished_from * bytes_per_char)
+        unfinished_bytes = round((cut - unfinished_from) * bytes_per_char)
+        self.skipped_lines += lines
+        self.skipped_bytes += whole_bytes + unfinished_bytes
+        # A notice must start on a line of its own, even when the skipped part continued a line
+        # the previous tick left open.
+        opening = "" if state.at_line_start else "\n"
+        state.at_line_start = True
+        what = _describe_skipped(lines, whole_bytes, unfinished_bytes)
+        return (f"{opening}[accelnb: skipped {what} of rank {rank} {stream} to keep the notebook "
+                f"responsive; accelnb.last_result().output({rank}) has every line]\n" + text[cut:])
+
+
+def _describe_skipped(lines: int, whole_bytes: int, unfinished_bytes: int) -> str:
+    """ "1,204 lines (80.3 KB)", "5.2 MB of a line", or both: what a notice says was left out."""
+    parts = []
+    if lines:
+        parts.append(f"{lines:,} line{'s' if lines != 1 else ''} ({_size(whole_bytes)})")
+    if unfinished_bytes:
+        parts.append(f"{_size(unfinished_bytes)} of {'the next' if lines else 'a'} line")
+    return " and ".join(parts)
+
+
+def _size(count: int) -> str:
+    """Bytes as people read them: 512 bytes, 80.3 KB, 5.2 MB (decimal units, as Jupyter's limits)."""
+    if count < 1000:
+        return f"{count:,} byte{'s' if count != 1 else ''}"
+    for unit, scale in (("KB", 1e3), ("MB", 1e6)):
+        if count < scale * 1000:
+            return f"{count / scale:.1f} {unit}"
+    return f"{count / 1e9:.1f} GB"
+
+
+def _prefix_lines(text: str, prefix: str, at_line_start: bool) -> str:
     pieces = text.split("\n")
     out = []
     for i, piece in enumerate(pieces):
+        # A "\r" piece (a progress bar's latest state) redraws its line from the start.
         starts_line = at_line_start if i == 0 else True
-        if piece and starts_line:
+        if piece and (starts_line or piece.startswith("\r")):
             piece = (("\r" + prefix + piece[1:]) if piece.startswith("\r") else prefix + piece)
         out.append(piece)
-    return "\n".join(out), text.endswith("\n")
+    return "\n".join(out)

@@ -5,18 +5,34 @@ subscribe with :func:`on_run_change`. Only the latest run is kept. ``request_sto
 running launch to stop; it is safe to call from any thread (a widget callback, a comm handler).
 
     >>> unsubscribe = on_run_change(lambda run: print(run.states if run else None))
+
+While a launch blocks the kernel's main thread, displays that need that thread (a Stop button's
+comm messages, the live metrics redraw) register a wait hook with :func:`add_wait_hook`. The
+supervisor calls :func:`run_wait_hooks` on every wake-up of its wait loop, which under an output
+flood is thousands of times a second; this module, not the call site, keeps the hooks to
+:data:`WAIT_HOOK_RATE_HZ` rounds a second (see :class:`WaitHooks`).
+
+Run listeners and wait hooks follow the one observer policy of :mod:`accelnb.kernel.observers`:
+one that raises is logged and skipped; the launch goes on.
 """
 
 from __future__ import annotations
 
 import itertools
+import math
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from accelnb.kernel.observers import Listeners
+
 RankPhase = Literal["starting", "running", "done", "failed", "stopped"]
+
+# Rounds of wait hooks per second while a launch waits: a Stop click is seen within 50 ms, and
+# hooks cost the wait loop at most twenty calls a second whatever the workers print.
+WAIT_HOOK_RATE_HZ = 20.0
 
 
 @dataclass
@@ -52,7 +68,7 @@ class RunState:
 
 RunListener = Callable[[RunState | None], None]
 _current_run: RunState | None = None
-_listeners: list[RunListener] = []
+_run_listeners = Listeners[[RunState | None]]("run-state listener")
 _lock = threading.Lock()
 
 
@@ -69,16 +85,17 @@ def begin_run(run: RunState) -> None:
 
 def publish() -> None:
     """Tell listeners the current run changed (call after mutating its ranks)."""
-    for listener in list(_listeners):
-        try:
-            listener(_current_run)
-        except Exception:  # a broken display must never break the launch
-            pass
+    _run_listeners.notify(_current_run)
 
 
 def on_run_change(listener: RunListener) -> Callable[[], None]:
-    _listeners.append(listener)
-    return lambda: _listeners.remove(listener) if listener in _listeners else None
+    """Call ``listener`` after every run change; returns a function that unsubscribes it."""
+    return _run_listeners.add(listener)
+
+
+def run_listener_count() -> int:
+    """How many run listeners are subscribed (a closed or collected display leaves none)."""
+    return len(_run_listeners)
 
 
 def request_stop() -> bool:
@@ -90,21 +107,58 @@ def request_stop() -> bool:
     return True
 
 
-# While a launch blocks the kernel's main thread, the kernel processes no widget or comm
-# messages. Displays that need them (a Stop button) register a hook here; the launcher calls
-# every hook about ten times a second from the waiting thread.
-WaitHook = Callable[[], None]
-_wait_hooks: list[WaitHook] = []
+WaitHook = Callable[[], object]  # what a hook returns is ignored
+
+
+class WaitHooks:
+    """Hooks run at most ``rate`` rounds a second, however often :meth:`run` is called.
+
+    Rounds keep to a fixed schedule (one every ``1 / rate`` s), so a wait loop that wakes a
+    little early still gets the full rate; after a pause (a slow round, no wake-ups) the next call
+    runs at once and the schedule restarts from there, never with a burst of rounds to catch up.
+    In any window of T seconds there are at most ``T * rate + 1`` rounds. ``clock`` is injectable
+    for tests; it defaults to :func:`time.monotonic`.
+    """
+
+    def __init__(self, rate: float = WAIT_HOOK_RATE_HZ, clock: Callable[[], float] = time.monotonic) -> None:
+        if not rate > 0:
+            raise ValueError(f"rate must be a positive number of rounds per second, got {rate!r}.")
+        self._interval = 1.0 / rate
+        self._clock = clock
+        self._hooks = Listeners[[]]("launch wait hook")
+        self._due = -math.inf
+
+    def add(self, hook: WaitHook) -> Callable[[], None]:
+        """Register ``hook``; returns a function that removes it."""
+        return self._hooks.add(hook)
+
+    def run(self) -> bool:
+        """Run every hook if a round is due; returns whether one ran."""
+        now = self._clock()
+        if now < self._due:
+            return False
+        on_schedule = now - self._due < self._interval
+        self._due = (self._due if on_schedule else now) + self._interval
+        self._hooks.notify()
+        return True
+
+    def __len__(self) -> int:
+        return len(self._hooks)
+
+
+_wait_hooks = WaitHooks()
 
 
 def add_wait_hook(hook: WaitHook) -> Callable[[], None]:
-    _wait_hooks.append(hook)
-    return lambda: _wait_hooks.remove(hook) if hook in _wait_hooks else None
+    """Have ``hook`` called from the launching thread while a launch waits (rate-limited)."""
+    return _wait_hooks.add(hook)
 
 
-def run_wait_hooks() -> None:
-    for hook in list(_wait_hooks):
-        try:
-            hook()
-        except Exception:  # a broken display must never break the launch
-            pass
+def run_wait_hooks() -> bool:
+    """The supervisor's wait loop calls this on every wake-up; hooks run at the limited rate."""
+    return _wait_hooks.run()
+
+
+def wait_hook_count() -> int:
+    """How many wait hooks are registered."""
+    return len(_wait_hooks)

@@ -17,7 +17,8 @@ from typing import Any, Literal, Protocol
 
 from accelnb.errors import LaunchFailed
 from accelnb.kernel import planning
-from accelnb.kernel.helper_client import shared_helper
+from accelnb.kernel.failure_report import exception_for, interrupted_outside_call, start_interrupted
+from accelnb.kernel.helper_client import StepHook, shared_helper
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.metrics_history import MetricHistory
 from accelnb.kernel.output import OutputRouter, notebook_sink
@@ -44,28 +45,43 @@ _last_result: LaunchResult | None = None
 
 
 def start_workers(the_plan: planning.LaunchPlan, master_port: int | None, *, persistent: bool,
-                  quiet: bool) -> WorkerGroup:
-    """Bind the rendezvous port and fork one worker per rank of ``the_plan``."""
+                  quiet: bool, on_step: StepHook | None = None) -> WorkerGroup:
+    """Bind the rendezvous port and fork one worker per rank of ``the_plan``.
+
+    An interrupt at any moment of this leaves no worker and no fd behind, and surfaces as
+    :class:`~accelnb.errors.RunInterrupted`. ``on_step`` is for tests (see ``WorkerGroup``).
+    """
     store_socket = bind_rendezvous_socket(master_port)
-    the_plan = the_plan.with_port(store_socket.getsockname()[1])
+    group: WorkerGroup | None = None
     try:
-        helper = shared_helper()
-    except BaseException:
-        store_socket.close()
+        the_plan = the_plan.with_port(store_socket.getsockname()[1])
+        helper = shared_helper(on_step=on_step)
+        _step(on_step, "helper-ready")
+        router = OutputRouter(live_ranks={0}, prefix=False, sink=notebook_sink)
+        group = WorkerGroup(the_plan, helper, router, persistent=persistent, on_step=on_step)
+        group.start(worker_specs(the_plan, persistent), store_socket)
+        if not quiet:
+            notebook_sink("stdout", describe_start(the_plan, [w.pid for w in group.workers]) + "\n")
+        _step(on_step, "started")
+        return group
+    except BaseException as error:
+        store_socket.close()  # once rank 0 has it, closing ours is what the start does anyway
+        if group is not None:
+            group.close()
+        if isinstance(error, KeyboardInterrupt):
+            raise start_interrupted() from None
         raise
-    router = OutputRouter(live_ranks={0}, prefix=False, sink=notebook_sink)
-    group = WorkerGroup(the_plan, helper, router, persistent=persistent)
-    group.start(worker_specs(the_plan, persistent), store_socket)
-    if not quiet:
-        notebook_sink("stdout", describe_start(the_plan, [w.pid for w in group.workers]) + "\n")
-    return group
 
 
 def run_on_group(group: WorkerGroup, payload: bytes, *, collect: Literal["rank0", "all"],
                  timeout: float | None, output: OutputMode,
                  metric_sink: Callable[[Any], None] | None = None,
                  metrics_view: MetricsViewFactory | None = None) -> LaunchResult:
-    """Run one packed call on every worker of ``group`` and gather what came back."""
+    """Run one packed call on every worker of ``group`` and gather what came back.
+
+    Raises what :func:`~accelnb.kernel.failure_report.exception_for` says the outcome calls for
+    (``RankFailed``, ``RankCrashed``, ``LaunchTimeout``, ``HelperDied``, ``RunInterrupted``).
+    """
     ranks = [r.rank for r in group.plan.ranks]
     group.output.live_ranks = {0} if output == "rank0" else (set(ranks) if output == "all" else set())
     group.output.prefix = output == "all"
@@ -84,33 +100,41 @@ def run_on_group(group: WorkerGroup, payload: bytes, *, collect: Literal["rank0"
     started = time.perf_counter()
     global _last_result
 
-    def outcome(values: dict[int, Any]) -> LaunchResult:
+    def result(values: dict[int, Any]) -> LaunchResult:
         return LaunchResult(values=values, plan=group.plan, seconds=time.perf_counter() - started,
                             metrics=history,
                             outputs={rank: group.output.text_since(rank, marks[rank]) for rank in ranks})
 
-    succeeded = False
+    error: BaseException | None = None
     try:
-        pickled = group.call(payload, {0} if collect == "rank0" else set(ranks), timeout)
-        if not group.persistent:
+        outcome = group.call(payload, {0} if collect == "rank0" else set(ranks), timeout)
+        error = exception_for(outcome, show_output_of=set(group.output.live_ranks), persistent=group.persistent)
+        if error is None and not group.persistent:
             group.shutdown()
-        succeeded = True
-    except LaunchFailed as failure:
-        failure.metrics = history  # what was reported before the failure is not lost
+    except KeyboardInterrupt:  # one that landed around the call's own handling of interrupts
+        group.close()
+        error = interrupted_outside_call(persistent=group.persistent)
+    except BaseException:  # a bug: nothing may outlive it either
+        group.close()
         raise
-    except KeyboardInterrupt as interrupt:
-        # The stop button: the supervisor's frames would fill the cell and explain nothing;
-        # the message says what happened.
-        raise KeyboardInterrupt(*interrupt.args) from None
     finally:
         group.output.tick(force=True)
         if view is not None:
             view.close()
-        if not succeeded:  # failed or interrupted: keep what the ranks printed and reported
-            _last_result = outcome({})
-    values = {rank: loads_in_kernel(data) for rank, data in pickled.items() if data is not None}
-    _last_result = outcome(values)
+    if error is not None:
+        _last_result = result({})  # failed or interrupted: keep what the ranks printed and reported
+        if isinstance(error, LaunchFailed):
+            error.metrics = history  # what was reported before the failure is not lost
+        # The supervisor's frames would fill the cell and explain nothing; the message does.
+        raise error.with_traceback(None) from None
+    values = {rank: loads_in_kernel(data) for rank, data in outcome.values.items() if data is not None}
+    _last_result = result(values)
     return _last_result
+
+
+def _step(on_step: StepHook | None, name: str) -> None:
+    if on_step is not None:
+        on_step(name)
 
 
 def last_result() -> LaunchResult | None:

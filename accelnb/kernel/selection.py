@@ -2,7 +2,8 @@
 
 The ipywidgets panel, the JupyterLab side panel and ``%distributed`` all write here; a launch
 without ``gpus=``/``num_processes=`` reads here before falling back to "every visible GPU".
-Listeners (the panels) are told about every change, whoever made it.
+Listeners (the panels) are told about every change, whoever made it; one that raises is logged
+and skipped, and the selection still holds (the policy of :mod:`accelnb.kernel.observers`).
 
     >>> set_selection(gpus=[0, 2])
     >>> current_selection()
@@ -14,6 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from accelnb.errors import LaunchConfigError
+from accelnb.kernel.observers import Listeners
 
 
 @dataclass(frozen=True)
@@ -34,7 +39,7 @@ class Selection:
 
 Listener = Callable[[Selection | None], None]
 _current: Selection | None = None
-_listeners: list[Listener] = []
+_listeners = Listeners[[Selection | None]]("selection listener")
 
 
 def current_selection() -> Selection | None:
@@ -42,12 +47,23 @@ def current_selection() -> Selection | None:
 
 
 def set_selection(gpus: Sequence[int] | None = None, num_processes: int | None = None) -> Selection:
-    """Make ``gpus`` (or ``num_processes`` CPU ranks) the default for the next launches."""
+    """Make ``gpus`` (or ``num_processes`` CPU ranks) the default for the next launches.
+
+    Whether those GPUs exist is checked when a launch plans with them (the inventory may change
+    before then); here only the shape is: GPU indices are whole numbers, ranks at least one.
+
+    Raises:
+        LaunchConfigError: both are given, a GPU index is not a whole number, or
+            ``num_processes`` is not a whole number of at least 1.
+    """
     global _current
     if gpus is not None and num_processes is not None:
-        raise ValueError("Select either gpus or num_processes, not both.")
-    if num_processes is not None and num_processes < 1:
-        raise ValueError(f"num_processes must be at least 1, got {num_processes}.")
+        raise LaunchConfigError("Select either gpus or num_processes, not both.")
+    if num_processes is not None and (not _is_whole_number(num_processes) or num_processes < 1):
+        raise LaunchConfigError(f"num_processes must be a whole number, at least 1; got {num_processes!r}.")
+    if gpus is not None and not all(_is_whole_number(index) for index in gpus):
+        raise LaunchConfigError(f"gpus must be GPU indices as nvidia-smi numbers them, e.g. [0, 2]; "
+                                f"got {list(gpus)!r}.")
     _current = Selection(gpus=tuple(gpus) if gpus is not None else None, num_processes=num_processes)
     _notify()
     return _current
@@ -61,10 +77,17 @@ def clear_selection() -> None:
 
 def on_selection_change(listener: Listener) -> Callable[[], None]:
     """Call ``listener`` after every change; returns a function that unsubscribes it."""
-    _listeners.append(listener)
-    return lambda: _listeners.remove(listener) if listener in _listeners else None
+    return _listeners.add(listener)
+
+
+def listener_count() -> int:
+    """How many selection listeners are subscribed (a closed or collected display leaves none)."""
+    return len(_listeners)
 
 
 def _notify() -> None:
-    for listener in list(_listeners):
-        listener(_current)
+    _listeners.notify(_current)
+
+
+def _is_whole_number(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # True is not GPU 1

@@ -12,8 +12,8 @@ import re
 
 # accelnb/ with a trailing separator: every frame under it is ours, whichever subpackage.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_OUR_THREADS = ("in flush_forever", "in read_forever", "in wait_then_die")  # accelnb.worker.main's threads
 _THREAD_HEADER = re.compile(r"^(Thread 0x[0-9a-f]+|Current thread 0x[0-9a-f]+)")
+_THREAD_RUN = re.compile(r'threading\.py", line \d+ in run$')  # Thread.run calls the thread's target
 
 
 def clean_stack_dump(text: str) -> str:
@@ -25,10 +25,19 @@ def clean_stack_dump(text: str) -> str:
         blocks[-1].append(line)
     kept: list[str] = []
     for block in blocks:
-        if any(marker in line for line in block for marker in _OUR_THREADS):
+        if _is_our_thread(block):
             continue
         for line in block:
             if _PACKAGE_ROOT in line or "<frozen runpy>" in line or line.startswith("Extension modules:"):
                 continue
             kept.append(line)
     return "\n".join(kept).strip("\n")
+
+
+def _is_our_thread(block: list[str]) -> bool:
+    """A thread whose target is accelnb's (the worker's flusher, inbox reader, SIGTERM watcher),
+    told by where its target lives rather than by function names that may change."""
+    for index, line in enumerate(block):
+        if _THREAD_RUN.search(line.rstrip()):
+            return index > 0 and _PACKAGE_ROOT in block[index - 1]
+    return False

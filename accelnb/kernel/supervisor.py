@@ -2,52 +2,70 @@
 
 :class:`WorkerGroup` asks the helper to fork one worker per rank, wires four pipes to each
 (stdout, stderr, events, inbox), and then waits in the launching thread, multiplexing every pipe
-and the helper's exit reports with one selector. While it waits it feeds output to the
+and the helper's reports with one selector. While it waits it feeds output to the
 :class:`~accelnb.kernel.output.OutputRouter`, metrics to their sink, and rank states to ``run_state``.
 
+    >>> group = WorkerGroup(plan, shared_helper(), router)                  # doctest: +SKIP
+    >>> group.start(specs, store_socket)                                     # doctest: +SKIP
+    >>> outcome = group.call(payload, value_ranks={0}, timeout=None)         # doctest: +SKIP
+
+:meth:`WorkerGroup.call` returns a :class:`~accelnb.kernel.call_outcome.CallOutcome` and raises
+nothing for what happens to the ranks; :mod:`accelnb.kernel.runs` decides what the user sees.
 Endings, all of which leave no process and no bound port behind:
 
 - every rank answered: the call's values come back;
-- a rank raised or died: all others get SIGTERM, then SIGKILL after one shared grace deadline,
-  and :func:`~accelnb.kernel.failure_report.build_exception` explains the root cause;
+- a rank raised or died: all others get SIGTERM, then SIGKILL after one shared grace deadline;
 - ``timeout=`` expired: SIGUSR1 makes faulthandler print every rank's stack, then the same stop;
-- the user interrupted (stop button, Ctrl-C, a panel's Stop): the same stop, faster, then
-  ``KeyboardInterrupt``.
+- the user interrupted (Ctrl-C, a panel's Stop): the same stop, faster (a persistent session
+  first tries to interrupt just the cell);
+- accelnb's helper process died: its workers died with it (``PR_SET_PDEATHSIG``); their process
+  groups are killed too, and the group waits until they are gone.
 
-Process groups, not pids, are signalled, so a rank's own children (DataLoader workers) go too.
+An interrupt can land at any moment, start-up included: :meth:`WorkerGroup.start` undoes a start
+it did not finish (kills what was forked, closes every fd), and a call interrupted while its
+frames were being written leaves the group unusable, since a worker's inbox then holds half a
+frame. Process groups, not pids, are signalled, so a rank's own children (DataLoader workers) go too.
 """
 
 from __future__ import annotations
 
 import fcntl
 import os
+import select
 import selectors
 import signal
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from accelnb.errors import RankFailure
 from accelnb.kernel import run_state
-from accelnb.kernel.failure_report import build_exception, signal_failure
-from accelnb.kernel.helper_client import WorkerHelper
+from accelnb.kernel.call_outcome import CallOutcome, CallPhase, Ending, HelperExit, StopSource
+from accelnb.kernel.failure_report import exception_failure, exit_failure
+from accelnb.kernel.helper_client import StepHook, WorkerExit, WorkerHelper
 from accelnb.kernel.output import OutputRouter
 from accelnb.kernel.planning import LaunchPlan
 from accelnb.kernel.stacks import clean_stack_dump
-from accelnb.wire.channel import MessageReader, encode
+from accelnb.wire.channel import MessageReader, encode, write_all
 from accelnb.wire.events import CallError, CallResult, Joined, MetricBatch, RunCall, Shutdown
 from accelnb.wire.spec import WorkerSpec
 
 PIPE_SIZE = 1 << 20  # bigger pipes: fewer wake-ups for floods and large results
+F_SETPIPE_SZ = 1031
 FAILURE_GRACE_S = 3.0
 INTERRUPT_GRACE_S = 1.5
 ANSWER_WAIT_S = 1.0  # persistent sessions: how long the other ranks get to answer after a failure
 STACK_DUMP_WAIT_S = 1.0
-F_SETPIPE_SZ = 1031
+SHUTDOWN_WAIT_S = 10.0  # finished workers leave on Shutdown; past this they are stopped
+KILL_WAIT_S = 5.0  # after SIGKILL: how long until the helper reports the exits
+BURY_WAIT_S = 1.0  # the helper died: how long its workers may take to be gone
+WAIT_SLICE_S = 0.05
+HOOK_INTERVAL_S = 0.1  # display hooks (a Stop button's comm pump) run at most ten times a second
 
 MetricSink = Callable[[MetricBatch], None]
+_WaitEnding = Literal["answered", "failed", "timed_out", "stop_requested", "helper_died"]
 
 
 @dataclass
@@ -60,7 +78,7 @@ class _Worker:
     inbox_fd: int = -1
     events: MessageReader = field(default_factory=MessageReader)
     exit_code: int | None = None
-    joined: bool = False
+    joined: bool = False  # it joined the process group: an exit from now on is not a set-up failure
     state: run_state.RankState | None = None
     signals_sent: set[int] = field(default_factory=set)  # an exit by one of these is ours, not a crash
 
@@ -72,63 +90,130 @@ class _Worker:
     def alive(self) -> bool:
         return self.exit_code is None
 
+    def kernel_fds(self) -> list[int]:
+        return [fd for fd in (self.stdout_fd, self.stderr_fd, self.events_fd, self.inbox_fd) if fd >= 0]
 
-class StopRequested(Exception):
-    """A display asked the run to stop (``run_state.request_stop``)."""
+
+@dataclass
+class _Answers:
+    """What came back for one call (``call_id`` None: while stopping, between calls)."""
+
+    call_id: int | None
+    values: dict[int, bytes | None] = field(default_factory=dict)
+    failures: list[RankFailure] = field(default_factory=list)
+
+    def has_failed(self, rank: int) -> bool:
+        return any(f.rank == rank for f in self.failures)
+
+    def answered(self) -> set[int]:
+        return set(self.values) | {f.rank for f in self.failures}
 
 
 class WorkerGroup:
-    """The live workers of one plan."""
+    """The live workers of one plan.
+
+    ``on_step(name)`` is called at each step of starting and of sending a call (every pipe
+    opened, the spawn request sent, each frame and each write of it): the moments an interrupt
+    or a fault can land. Tests inject faults there; it is None in real launches.
+    """
 
     def __init__(self, plan: LaunchPlan, helper: WorkerHelper, output: OutputRouter,
-                 metric_sink: MetricSink | None = None, persistent: bool = False) -> None:
+                 metric_sink: MetricSink | None = None, persistent: bool = False,
+                 on_step: StepHook | None = None) -> None:
         self.plan = plan
         self.persistent = persistent
         self.helper = helper
         self.output = output
         self.metric_sink = metric_sink
         self.workers: list[_Worker] = []
-        self._selector = selectors.DefaultSelector()
-        self._fd_owner: dict[int, tuple[_Worker, str]] = {}
-        self._call_ids = 0
         self.run: run_state.RunState | None = None
         self.closed = False
+        self._on_step = on_step
+        self._selector: selectors.BaseSelector | None = None
+        self._fd_owner: dict[int, tuple[_Worker, str]] = {}
+        self._helper_fd = -1
+        self._worker_ends: list[int] = []  # pipe ends for the workers, until the helper has them
+        self._spawned_pids: list[int] = []
+        self._call_ids = 0
+        self._inbox_half_written = False  # an interrupted write left half a frame in an inbox
+        self._call_phase: CallPhase = "unsent"
+        self._helper_death: HelperExit | None = None
+        self._hooks_ran_at = float("-inf")
+
+    @property
+    def usable(self) -> bool:
+        """Whether the workers can take another call (persistent sessions)."""
+        return (not self.closed and not self._inbox_half_written and self._helper_death is None
+                and all(w.alive for w in self.workers))
+
+    @property
+    def helper_death(self) -> HelperExit | None:
+        """How accelnb's helper process ended, once this group saw it die."""
+        return self._helper_death
 
     # ── starting ────────────────────────────────────────────────────────────────────────────
     def start(self, specs: list[WorkerSpec], store_socket: socket.socket) -> None:
-        """Fork the workers. The store's listening socket goes to rank 0 only."""
-        fds_to_send: list[int] = []
-        ours_to_close: list[int] = []
-        for spec in specs:
-            worker = _Worker(spec)
-            for name in ("stdout", "stderr", "events"):
-                read_end, write_end = os.pipe()
-                _enlarge(read_end)
-                os.set_blocking(read_end, False)
-                setattr(worker, f"{name}_fd", read_end)
-                fds_to_send.append(write_end)
-                ours_to_close.append(write_end)
-            inbox_read, inbox_write = os.pipe()
-            _enlarge(inbox_write)
-            worker.inbox_fd = inbox_write
-            fds_to_send.append(inbox_read)
-            ours_to_close.append(inbox_read)
-            if spec.holds_store:
-                fds_to_send.append(store_socket.fileno())
-            self.workers.append(worker)
+        """Fork the workers. The store's listening socket goes to rank 0 only.
+
+        Whatever stops it half-way (Ctrl-C, the helper's death) kills what was forked and closes
+        every fd before it propagates.
+        """
         try:
-            pids = self.helper.spawn(specs, fds_to_send)
+            self._selector = selectors.DefaultSelector()
+            fds_to_send: list[int] = []
+            for spec in specs:
+                fds_to_send += self._open_pipes(spec)
+                if spec.holds_store:
+                    fds_to_send.append(store_socket.fileno())
+            self._spawned_pids = self.helper.spawn(specs, fds_to_send, on_step=self._on_step)
+            self._step("spawned")
+            for worker, pid in zip(self.workers, self._spawned_pids, strict=True):
+                worker.pid = pid
+            self._close_worker_ends()  # the workers hold them now: end of file works both ways
+            self._watch_pipes()
+            self._publish_run()
+        except BaseException:
+            self._abort_start()
+            raise
         finally:
-            for fd in ours_to_close:
-                os.close(fd)
             store_socket.close()  # rank 0 holds it now; when rank 0 ends, the port is free
-        for worker, pid in zip(self.workers, pids, strict=True):
-            worker.pid = pid
+
+    def _open_pipes(self, spec: WorkerSpec) -> list[int]:
+        """The worker's four pipes; returns the ends it gets (stdout, stderr, events, inbox)."""
+        worker = _Worker(spec)
+        self.workers.append(worker)
+        theirs: list[int] = []
+        for name in ("stdout", "stderr", "events"):
+            read_end, write_end = os.pipe()
+            setattr(worker, f"{name}_fd", read_end)
+            self._worker_ends.append(write_end)
+            theirs.append(write_end)
+            self._step("pipe-opened")
+            _enlarge(read_end)
+            os.set_blocking(read_end, False)
+        inbox_read, inbox_write = os.pipe()
+        worker.inbox_fd = inbox_write
+        self._worker_ends.append(inbox_read)
+        theirs.append(inbox_read)
+        self._step("pipe-opened")
+        _enlarge(inbox_write)
+        return theirs
+
+    def _close_worker_ends(self) -> None:
+        while self._worker_ends:
+            _close_quietly(self._worker_ends.pop())
+
+    def _watch_pipes(self) -> None:
+        assert self._selector is not None
+        for worker in self.workers:
             for name in ("stdout", "stderr", "events"):
                 fd = getattr(worker, f"{name}_fd")
                 self._selector.register(fd, selectors.EVENT_READ)
                 self._fd_owner[fd] = (worker, name)
-        self._selector.register(self.helper.fileno(), selectors.EVENT_READ)
+        self._helper_fd = self.helper.fileno()
+        self._selector.register(self._helper_fd, selectors.EVENT_READ)
+
+    def _publish_run(self) -> None:
         self.run = run_state.RunState(
             run_id=run_state.next_run_id(),
             ranks=[run_state.RankState(w.rank, w.spec.device, "starting", w.pid) for w in self.workers])
@@ -136,198 +221,263 @@ class WorkerGroup:
             worker.state = state
         run_state.begin_run(self.run)
 
-    # ── running a call ──────────────────────────────────────────────────────────────────────
-    def call(self, payload: bytes, value_ranks: set[int], timeout: float | None) -> dict[int, Any]:
-        """Run one cloudpickled call on every rank; returns {rank: pickled value or None}.
+    def _abort_start(self) -> None:
+        """Undo a start that did not finish: kill what was forked, free every fd."""
+        try:
+            if self._spawned_pids and not self.helper.lost:
+                self.helper.wait_for_exits(self._spawned_pids, time.monotonic() + KILL_WAIT_S)
+        except KeyboardInterrupt:
+            pass  # no more patience: with their inboxes closed below, the workers end themselves
+        finally:
+            for worker in self.workers:
+                worker.exit_code = worker.exit_code if worker.exit_code is not None else -signal.SIGKILL
+            self._close_worker_ends()
+            self.close()
 
-        Raises the run's failure, or KeyboardInterrupt. Afterwards :attr:`usable` says whether
-        the workers are still there for another call (persistent sessions): they are when every
-        rank answered, even with an exception; otherwise every worker has been stopped.
+    # ── running a call ──────────────────────────────────────────────────────────────────────
+    def call(self, payload: bytes, value_ranks: set[int], timeout: float | None) -> CallOutcome:
+        """Run one cloudpickled call on every rank and report how it ended.
+
+        Neither a failure of the ranks nor an interrupt raises here: both are in the outcome,
+        after every worker that had to go is gone. Afterwards :attr:`usable` says whether the
+        workers are still there for another call (persistent sessions): they are when every rank
+        answered, even with an exception; otherwise every worker has been stopped.
         """
         self._call_ids += 1
-        call_id = self._call_ids
+        answers = _Answers(self._call_ids)
+        self._call_phase = "unsent"
+        source: StopSource = "interrupt"
+        ending: Ending
+        try:
+            self._pump(0, answers)  # the helper or a rank may have died since the last call
+            if self._helper_death is None:
+                self._send_call(answers.call_id, payload, value_ranks)
+            self._call_phase = "running"
+            waited = self._wait_for_answers(answers, timeout)
+            if waited == "stop_requested":
+                ending, source = "interrupted", "stop_request"
+            else:
+                ending = waited
+        except KeyboardInterrupt:
+            ending = "interrupted"
+        return self._conclude(CallOutcome(ending, answers.values, answers.failures, timeout=timeout,
+                                          phase=self._call_phase, stop_source=source), answers)
+
+    def _send_call(self, call_id: int | None, payload: bytes, value_ranks: set[int]) -> None:
+        assert call_id is not None
         for worker in self.workers:
-            message = encode(RunCall(call_id, payload, worker.rank in value_ranks))
+            if not worker.alive:
+                continue
+            frame = encode(RunCall(call_id, payload, worker.rank in value_ranks))
+            self._step("call-writing")
+            self._call_phase = "sending"
+            self._inbox_half_written = True  # until the whole frame is out
             try:
-                _write_blocking(worker.inbox_fd, message)
+                write_all(worker.inbox_fd, frame, self._after_inbox_write)
             except BrokenPipeError:
                 pass  # it died already; its exit report explains why
+            self._inbox_half_written = False
+        self._step("call-sent")
+
+    def _after_inbox_write(self, bytes_left: int) -> None:
+        if bytes_left:
+            self._step("call-part-written")
+
+    def _wait_for_answers(self, answers: _Answers, timeout: float | None) -> _WaitEnding:
         deadline = None if timeout is None else time.monotonic() + timeout
-        results: dict[int, Any] = {}
-        failures: list[RankFailure] = []
-        try:
-            while True:
-                self._pump(0.05, results, failures, call_id)
-                if failures:
-                    if self.persistent and self._all_answer(results, failures, ANSWER_WAIT_S):
-                        raise build_exception(failures, (), self.output.live_ranks)
-                    stopped = [r for r in self.stop(FAILURE_GRACE_S, failures) if r not in results]
-                    raise build_exception(failures, stopped, self.output.live_ranks,
-                                          session_ended=self.persistent)
-                if len(results) == len(self.workers):
-                    return results
-                if self.run is not None and self.run.stop_requested.is_set():
-                    self.run.stop_requested.clear()
-                    raise StopRequested()
-                if deadline is not None and time.monotonic() > deadline:
-                    stacks = self._dump_stacks()
-                    self.stop(FAILURE_GRACE_S, failures)
-                    raise build_exception(failures, (), self.output.live_ranks,
-                                          timed_out_after=timeout, stacks=stacks)
-                run_state.run_wait_hooks()
-        except (KeyboardInterrupt, StopRequested):
-            if self.persistent and self._interrupt_call(results, failures):
-                raise KeyboardInterrupt(
-                    "accelnb interrupted the cell on every rank; the session and its variables "
-                    "are kept.") from None
-            self._stop_after_interrupt()
-            raise KeyboardInterrupt(
-                "accelnb stopped the run: every worker was ended on the interrupt"
-                + (" (a rank did not respond to the interrupt, so the session was closed)."
-                   if self.persistent else ".")) from None
-
-    def _stop_after_interrupt(self) -> None:
-        grace = INTERRUPT_GRACE_S
         while True:
-            try:
-                self.stop(grace, [])
-                return
-            except KeyboardInterrupt:
-                grace = 0.0  # interrupted again: no more patience, kill now
+            self._pump(WAIT_SLICE_S, answers)
+            if self._helper_death is not None:
+                return "helper_died"
+            if answers.failures:
+                return "failed"
+            if len(answers.values) == len(self.workers):
+                return "answered"
+            if self.run is not None and self.run.stop_requested.is_set():
+                self.run.stop_requested.clear()
+                return "stop_requested"
+            if deadline is not None and time.monotonic() > deadline:
+                return "timed_out"
+            self._run_display_hooks()
 
-    @property
-    def usable(self) -> bool:
-        return not self.closed and all(w.alive for w in self.workers)
+    def _conclude(self, outcome: CallOutcome, answers: _Answers) -> CallOutcome:
+        """Stop what has to stop for ``outcome``; never ends with a worker that should be gone."""
+        try:
+            if outcome.ending == "failed":
+                if not (self.persistent and self._all_answer(answers, ANSWER_WAIT_S)):
+                    outcome.stopped = [r for r in self._stop(FAILURE_GRACE_S, answers) if r not in answers.values]
+            elif outcome.ending == "timed_out":
+                outcome.stacks = self._dump_stacks()
+                self._stop(FAILURE_GRACE_S, answers)
+            elif outcome.ending == "interrupted":
+                keep = self.persistent and (outcome.phase == "unsent" or (
+                    outcome.phase == "running" and self._interrupt_call(answers)))
+                if not keep:
+                    self._stop(INTERRUPT_GRACE_S, answers)
+        except KeyboardInterrupt:  # interrupted while stopping: no more patience
+            self._stop(0.0, answers)
+        if self._helper_death is not None:
+            outcome.ending = "helper_died"
+            outcome.helper_exit = self._helper_death
+        outcome.workers_kept = self.usable
+        return outcome
 
-    def _all_answer(self, results: dict[int, Any], failures: list[RankFailure], wait: float) -> bool:
+    def _all_answer(self, answers: _Answers, wait: float) -> bool:
         """Wait up to ``wait`` s for every rank to answer the current call."""
         deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            answered = set(results) | {f.rank for f in failures}
-            if len(answered) == len(self.workers):
+        while time.monotonic() < deadline and self._helper_death is None:
+            if len(answers.answered()) == len(self.workers):
                 return all(w.alive for w in self.workers)
-            self._pump(0.02, results, failures, self._call_ids)
+            self._pump(0.02, answers)
         return False
 
-    def _interrupt_call(self, results: dict[int, Any], failures: list[RankFailure]) -> bool:
+    def _interrupt_call(self, answers: _Answers) -> bool:
         """SIGINT the ranks still working; True when all stopped their code and live on."""
         for worker in self.workers:
-            if worker.alive and worker.rank not in results:
+            if worker.alive and worker.rank not in answers.values:
                 _signal_pid(worker.pid, signal.SIGINT)
         try:
-            return self._all_answer(results, failures, INTERRUPT_GRACE_S)
+            return self._all_answer(answers, INTERRUPT_GRACE_S)
         except KeyboardInterrupt:
             return False
 
+    def _run_display_hooks(self) -> None:
+        # Once per wake-up would be thousands a second under an output flood.
+        now = time.monotonic()
+        if now - self._hooks_ran_at >= HOOK_INTERVAL_S:
+            self._hooks_ran_at = now
+            run_state.run_wait_hooks()
+
     # ── the selector loop ───────────────────────────────────────────────────────────────────
-    def _pump(self, timeout: float, results: dict[int, Any], failures: list[RankFailure],
-              call_id: int | None) -> None:
+    def _pump(self, timeout: float, answers: _Answers) -> None:
+        assert self._selector is not None
         for key, _ in self._selector.select(timeout):
             fd = int(key.fd)  # type: ignore[arg-type]
-            if fd == self.helper.fileno():
+            if fd == self._helper_fd:
                 self.helper.collect()
                 continue
             worker, name = self._fd_owner[fd]
-            self._read(worker, name, fd, results, failures, call_id)
+            self._read(worker, name, fd, answers)
+        if self.helper.lost and self._helper_death is None:  # seen here, or by another group's pump
+            self._bury_workers_of_dead_helper(answers)
         for worker in self.workers:
-            if worker.alive and worker.pid in self.helper.exit_codes:
-                self._on_exit(worker, results, failures, call_id)
+            if worker.alive:
+                ended = self.helper.take_exit(worker.pid)
+                if ended is not None:
+                    self._on_exit(worker, ended, answers)
         self.output.tick()
 
-    def _read(self, worker: _Worker, name: str, fd: int, results: dict[int, Any],
-              failures: list[RankFailure], call_id: int | None) -> bool:
+    def _read(self, worker: _Worker, name: str, fd: int, answers: _Answers) -> bool:
         """Read one chunk if there is one; True when data came (more may follow)."""
         try:
             chunk = os.read(fd, 1 << 20)
         except BlockingIOError:
             return False
         if not chunk:
-            self._selector.unregister(fd)
+            self._unwatch(fd)
             return False
         if name == "events":
             for event in worker.events.feed(chunk):
-                self._on_event(worker, event, results, failures, call_id)
+                self._on_event(worker, event, answers)
         else:
             self.output.feed(worker.rank, name, chunk)  # type: ignore[arg-type]
         return True
 
-    def _drain(self, worker: _Worker, results: dict[int, Any], failures: list[RankFailure],
-               call_id: int | None) -> None:
+    def _unwatch(self, fd: int) -> None:
+        assert self._selector is not None
+        if fd in self._selector.get_map():
+            self._selector.unregister(fd)
+
+    def _drain(self, worker: _Worker, answers: _Answers) -> None:
         """Everything a dead worker wrote is already in its pipes; read it all now."""
+        assert self._selector is not None
         for name in ("stdout", "stderr", "events"):
             fd = getattr(worker, f"{name}_fd")
-            while fd in self._selector.get_map() and self._read(worker, name, fd, results, failures, call_id):
+            while fd in self._selector.get_map() and self._read(worker, name, fd, answers):
                 pass
 
-    def _on_event(self, worker: _Worker, event: Any, results: dict[int, Any],
-                  failures: list[RankFailure], call_id: int | None) -> None:
+    def _on_event(self, worker: _Worker, event: Any, answers: _Answers) -> None:
         if isinstance(event, Joined):
             worker.joined = True
             self._set_phase(worker, "running")
-        elif isinstance(event, CallResult) and event.call_id == call_id:
-            results[worker.rank] = event.value
+        elif isinstance(event, CallResult) and event.call_id == answers.call_id:
+            answers.values[worker.rank] = event.value
             self._set_phase(worker, "done" if not worker.spec.persistent else "running")
-        elif isinstance(event, CallError):
-            failures.append(RankFailure(
-                rank=worker.rank, pid=worker.pid, kind="exception",
-                summary=f"{event.type_name}: {event.message}" if event.message else event.type_name,
-                traceback=event.traceback, type_name=event.type_name, exception=event.exception,
-                output_tail=self.output.tail(worker.rank), timestamp=event.timestamp))
+        elif isinstance(event, CallError) and (answers.call_id is None or event.call_id in (None, answers.call_id)):
+            answers.failures.append(exception_failure(worker.rank, worker.pid, event,
+                                                      self.output.tail(worker.rank)))
             self._set_phase(worker, "failed", event.type_name)
         elif isinstance(event, MetricBatch) and self.metric_sink is not None:
             self.metric_sink(event)
 
-    def _on_exit(self, worker: _Worker, results: dict[int, Any], failures: list[RankFailure],
-                 call_id: int | None) -> None:
-        self._drain(worker, results, failures, call_id)
-        code = worker.exit_code = self.helper.exit_codes.pop(worker.pid)
-        if any(f.rank == worker.rank for f in failures):
+    def _on_exit(self, worker: _Worker, ended: WorkerExit, answers: _Answers) -> None:
+        self._drain(worker, answers)
+        worker.exit_code = ended.code
+        if answers.has_failed(worker.rank):
             return  # it reported its own exception before exiting
-        if code != 0:
-            failure = signal_failure(worker.rank, worker.pid, code, self.output.tail(worker.rank))
-            failures.append(replace(failure, timestamp=self.helper.exit_times.pop(worker.pid, failure.timestamp)))
-            self._set_phase(worker, "failed", failures[-1].summary)
-        elif worker.rank not in results and call_id is not None:
-            failures.append(RankFailure(
-                worker.rank, worker.pid, "exit", "exited with code 0 before returning "
-                "(sys.exit(0) or os._exit(0) inside the function?)", exit_code=0,
-                output_tail=self.output.tail(worker.rank)))
-            self._set_phase(worker, "failed", "exited early")
+        if ended.code != 0 or (worker.rank not in answers.values and answers.call_id is not None):
+            failure = exit_failure(worker.rank, worker.pid, ended.code, self.output.tail(worker.rank), ended.time,
+                                   joined=worker.joined)
+            answers.failures.append(failure)
+            self._set_phase(worker, "failed", failure.summary if ended.code != 0 else "exited early")
+
+    def _bury_workers_of_dead_helper(self, answers: _Answers) -> None:
+        """The helper died: its workers die with it (PDEATHSIG). Make sure, and wait until they are gone."""
+        self._helper_death = self.helper.death()
+        self._unwatch(self._helper_fd)
+        live = [w for w in self.workers if w.alive]
+        for worker in live:
+            _signal_group(worker, signal.SIGKILL)  # the rank's own children have no PDEATHSIG
+        _wait_gone([w.pid for w in live], time.monotonic() + BURY_WAIT_S)
+        for worker in live:
+            self._drain(worker, answers)
+            worker.exit_code = -signal.SIGKILL
+            self._set_phase(worker, "failed", "accelnb's helper process died")
 
     # ── stopping ────────────────────────────────────────────────────────────────────────────
-    def stop(self, grace: float, failures: list[RankFailure]) -> list[int]:
-        """SIGTERM every live rank, SIGKILL what is left after ``grace``; returns stopped ranks."""
-        live = [w for w in self.workers if w.alive]
-        stopped = [w.rank for w in live]
-        for worker in live:
-            _signal_group(worker, signal.SIGTERM if grace > 0 else signal.SIGKILL)
-        self._wait_for_exits(time.monotonic() + grace, failures)
-        for worker in self.workers:
-            if worker.alive:
-                _signal_group(worker, signal.SIGKILL)
-        self._wait_for_exits(time.monotonic() + 5.0, failures)
-        for worker in self.workers:
-            if worker.alive:
-                self._set_phase(worker, "stopped")
-            _signal_group(worker, signal.SIGKILL)  # the rank's own children, if any survive
-        stopped_ranks = [r for r in stopped if not any(f.rank == r for f in failures)]
+    def _stop(self, grace: float, answers: _Answers) -> list[int]:
+        """SIGTERM every live rank, SIGKILL what is left after ``grace``; returns the ranks stopped.
+
+        A second interrupt while it waits cuts the grace short: SIGKILL at once.
+        """
+        stopped = [w.rank for w in self.workers if w.alive]
+        while True:
+            try:
+                self._stop_ladder(grace, answers)
+                break
+            except KeyboardInterrupt:
+                grace = 0.0
+        stopped_ranks = [r for r in stopped if not answers.has_failed(r)]
         for worker in self.workers:
             finished = worker.state is not None and worker.state.phase == "done"
             if worker.rank in stopped_ranks and not finished:  # ended by us, not failed by itself
                 self._set_phase(worker, "stopped")
         return stopped_ranks
 
-    def _wait_for_exits(self, deadline: float, failures: list[RankFailure]) -> None:
-        ignored: dict[int, Any] = {}
-        scratch: list[RankFailure] = []
+    def _stop_ladder(self, grace: float, answers: _Answers) -> None:
+        for worker in self.workers:
+            if worker.alive:
+                _signal_group(worker, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+        self._wait_for_exits(time.monotonic() + grace, answers)
+        for worker in self.workers:
+            if worker.alive:
+                _signal_group(worker, signal.SIGKILL)
+        self._wait_for_exits(time.monotonic() + KILL_WAIT_S, answers)
+        for worker in self.workers:
+            if worker.alive:
+                self._set_phase(worker, "stopped")
+            _signal_group(worker, signal.SIGKILL)  # the rank's own children, if any survive
+
+    def _wait_for_exits(self, deadline: float, answers: _Answers) -> None:
+        scratch = _Answers(None)
         while any(w.alive for w in self.workers) and time.monotonic() < deadline:
-            self._pump(0.02, ignored, scratch, None)
+            self._pump(0.02, scratch)
         # Exits by a signal we sent are not failures; a real failure that raced our stop still
         # counts, a crash included (a SIGKILL from outside before ours is a crash).
         signals_sent = {w.rank: w.signals_sent for w in self.workers}
-        failures.extend(f for f in scratch if f.rank not in {x.rank for x in failures}
-                        and (f.kind == "exception" or (f.exit_code is not None
-                                                       and -f.exit_code not in signals_sent[f.rank])))
+        answers.failures.extend(
+            f for f in scratch.failures if not answers.has_failed(f.rank)
+            and (f.kind == "exception" or (f.exit_code is not None and -f.exit_code not in signals_sent[f.rank])))
 
     def _dump_stacks(self) -> dict[int, str]:
         """Have every live rank print its Python stacks (faulthandler on SIGUSR1)."""
@@ -337,48 +487,73 @@ class WorkerGroup:
             if worker.alive:
                 _signal_pid(worker.pid, signal.SIGUSR1)
         deadline = time.monotonic() + STACK_DUMP_WAIT_S
-        ignored: dict[int, Any] = {}
-        scratch: list[RankFailure] = []
+        scratch = _Answers(None)
         while time.monotonic() < deadline:
-            self._pump(0.05, ignored, scratch, None)
+            self._pump(WAIT_SLICE_S, scratch)
         return {w.rank: clean_stack_dump(self.output.text_since(w.rank, marks[w.rank])) for w in self.workers}
 
+    # ── ending ──────────────────────────────────────────────────────────────────────────────
     def shutdown(self) -> None:
         """End workers that finished their work: ask nicely, then make sure. Frees every fd."""
         if self.closed:
             return
-        for worker in self.workers:
-            if worker.alive:
-                try:
-                    _write_blocking(worker.inbox_fd, encode(Shutdown()))
-                except OSError:
-                    pass
-        self._wait_for_exits(time.monotonic() + 10.0, [])
-        self.stop(FAILURE_GRACE_S, [])
-        self.close()
+        try:
+            if not self._inbox_half_written:
+                shutdown = encode(Shutdown())
+                for worker in self.workers:
+                    if worker.alive:
+                        try:
+                            write_all(worker.inbox_fd, shutdown)
+                        except OSError:
+                            pass
+                self._wait_for_exits(time.monotonic() + SHUTDOWN_WAIT_S, _Answers(None))
+            self._stop(FAILURE_GRACE_S, _Answers(None))
+        finally:
+            self.close()
 
     def close(self) -> None:
+        """Free every fd. A worker still running is killed first: nothing outlives its group."""
         if self.closed:
             return
         self.closed = True
-        self.output.finish()
-        for worker in self.workers:
-            for fd in (worker.stdout_fd, worker.stderr_fd, worker.events_fd, worker.inbox_fd):
-                if fd >= 0:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-        self._selector.close()
-        if self.run is not None:
-            self.run.finished = True
-            run_state.publish()
+        try:
+            self._kill_survivors()
+        finally:
+            for worker in self.workers:
+                for fd in worker.kernel_fds():
+                    _close_quietly(fd)
+            self._close_worker_ends()
+            if self._selector is not None:
+                self._selector.close()
+            self.output.finish()
+            if self.run is not None:
+                self.run.finished = True
+                run_state.publish()
+
+    def _kill_survivors(self) -> None:
+        survivors = [w for w in self.workers if w.alive and w.pid]
+        if not survivors:
+            return
+        pids = [w.pid for w in survivors]
+        if self.helper.lost:
+            for worker in survivors:
+                _signal_group(worker, signal.SIGKILL)
+            _wait_gone(pids, time.monotonic() + BURY_WAIT_S)
+        else:
+            self.helper.wait_for_exits(pids, time.monotonic() + KILL_WAIT_S)
+        for worker in survivors:
+            worker.exit_code = -signal.SIGKILL
+            self._set_phase(worker, "stopped")
 
     def _set_phase(self, worker: _Worker, phase: run_state.RankPhase, detail: str = "") -> None:
         if worker.state is not None and (worker.state.phase != phase or detail):
             worker.state.phase = phase
             worker.state.detail = detail
             run_state.publish()
+
+    def _step(self, name: str) -> None:
+        if self._on_step is not None:
+            self._on_step(name)
 
 
 def _enlarge(fd: int) -> None:
@@ -388,17 +563,23 @@ def _enlarge(fd: int) -> None:
         pass
 
 
-def _write_blocking(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view[: 1 << 20]):]
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
 
 
 def _signal_group(worker: _Worker, sig: int) -> None:
     if worker.alive:
         worker.signals_sent.add(sig)
     try:
-        os.killpg(worker.pid, sig)
+        # Just forked, a worker may not have called setsid() yet: then only its pid can be reached.
+        # Never both: a function's own SIGTERM handler must run once.
+        if os.getpgid(worker.pid) == worker.pid:
+            os.killpg(worker.pid, sig)
+        else:
+            os.kill(worker.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
 
@@ -408,3 +589,34 @@ def _signal_pid(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _wait_gone(pids: list[int], deadline: float) -> None:
+    """Wait until none of ``pids`` runs (gone, or a zombie nobody reaps yet), or ``deadline``.
+
+    They are not our children (the dead helper's, re-parented), so nothing can be waited on but a
+    pidfd, which becomes readable when its process exits; /proc is polled where there is none.
+    """
+    for pid in pids:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue  # gone already
+        except (AttributeError, OSError):  # no pidfd_open (Linux < 5.3)
+            while _runs(pid) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            continue
+        try:
+            select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(pidfd)
+
+
+def _runs(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read()
+    except OSError:
+        return False
+    state = fields[fields.rindex(b")") + 2:][:1]  # after "pid (comm) "; comm may hold spaces
+    return state not in (b"Z", b"X")

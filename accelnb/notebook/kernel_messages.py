@@ -2,11 +2,12 @@
 
 While a cell runs, ipykernel handles no shell message: a Stop button clicked during a launch
 would only be seen after the launch ended. :func:`process_comm_messages` fixes that for the
-duration of a launch. The panels register it as a launcher wait hook, so the launcher calls it
-about twenty times a second from the thread that waits (the kernel's main thread)::
+duration of a launch. The panels register it as a launcher wait hook, so it runs from the
+thread that waits (the kernel's main thread) at the wait hooks' rate,
+:data:`accelnb.kernel.run_state.WAIT_HOOK_RATE_HZ` (twenty times a second)::
 
     >>> from accelnb.kernel import run_state
-    >>> unregister = run_state.add_wait_hook(let_comm_messages_through)
+    >>> unregister = run_state.add_wait_hook(process_comm_messages)
 
 How, in ipykernel 7: a "shell channel" thread receives every shell message and forwards those
 for the main shell over an in-process ZMQ PAIR socket, read by a ZMQStream on the main thread's
@@ -64,11 +65,6 @@ class _MainShellRoute:
 _route_cache: dict[int, _MainShellRoute | None] = {}
 _pending: set[asyncio.Future[Any]] = set()
 _dispatching = False
-
-
-def let_comm_messages_through() -> None:
-    """The launcher wait hook: :func:`process_comm_messages`, for ``run_state.add_wait_hook``."""
-    process_comm_messages()
 
 
 def process_comm_messages(limit: int = MAX_MESSAGES_PER_CALL) -> int:

@@ -39,10 +39,18 @@ A state message::
 
 Each open comm is one panel with its own subscriptions; closing the comm ends them. The
 inventory is read when a panel connects, on ``refresh`` and when a run finishes, not on every
-run change (NVML is not free and runs publish often). Run changes arrive from the launcher's
-threads: ipykernel sends comm messages from any thread through its IOPub thread, so states
-reach the panel while a launch blocks the cell. Messages *from* the panel wait until the cell
-ends; that is why the panel's Stop button interrupts the kernel instead.
+run change (NVML is not free and runs publish often), and never on the thread that asked: a
+finished run is published from inside the launch (``WorkerGroup.close``), and a comm message may
+be handled inside a launch's wait loop (:mod:`accelnb.notebook.kernel_messages`), so an NVML
+init and shutdown there would delay every launch while a panel is open. Each panel has an
+:class:`InventoryReads`: one background thread that reads when asked and then sends a state;
+until its first read, the panel is sent nothing. Run changes arrive from the launcher's threads:
+ipykernel sends comm messages from any thread through its IOPub thread, so states reach the
+panel while a launch blocks the cell. Messages *from* the panel wait until the cell ends; that is
+why the panel's Stop button interrupts the kernel instead.
+
+GPU choices are checked by the planner's own rules (:func:`accelnb.kernel.planning.plan`), so the
+panel's refusals read exactly as a launch's would.
 
 If the target is not registered (accelnb not loaded), ipykernel closes the panel's comm at
 once. The panel avoids that by asking first with a silent ``user_expressions`` probe that
@@ -54,12 +62,14 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import comm
 
 from accelnb.kernel import run_state, selection
-from accelnb.kernel.inventory import Inventory, read_inventory
+from accelnb.kernel.inventory import Inventory, InventorySource, read_inventory
+from accelnb.kernel.planning import plan
 
 if TYPE_CHECKING:
     from comm.base_comm import BaseComm
@@ -67,24 +77,31 @@ if TYPE_CHECKING:
 
 TARGET_NAME = "accelnb.gpus"
 
+FIRST_READ_WAIT_S = 10.0  # how long a selection waits for a panel's first inventory read
+
 _log = logging.getLogger(__name__)
-_panels: list[_PanelConnection] = []
+_panels: list[PanelConnection] = []
 
 
-def register_comm_target(shell: InteractiveShell | None = None) -> None:
+def register_comm_target(shell: InteractiveShell | None = None,
+                         inventory_source: InventorySource = read_inventory) -> None:
     """Let JupyterLab's GPUs panel connect to this kernel (called by ``%load_ext accelnb``).
 
     Calling it again is harmless. ``shell`` is accepted for the extension loader's sake; the
-    comm manager is the kernel's, found through the ``comm`` package.
+    comm manager is the kernel's, found through the ``comm`` package. ``inventory_source`` is
+    where panels read the GPUs from (default :func:`read_inventory`).
     """
-    comm.get_comm_manager().register_target(TARGET_NAME, _open_panel)
+    def open_panel(panel_comm: BaseComm, open_msg: dict[str, Any]) -> None:
+        PanelConnection(panel_comm, inventory_source).start()
+
+    comm.get_comm_manager().register_target(TARGET_NAME, open_panel)
 
 
 def unregister_comm_target(shell: InteractiveShell | None = None) -> None:
-    """Undo :func:`register_comm_target` and close the open panels' comms (``%unload_ext``)."""
+    """Undo :func:`register_comm_target` and close the open panels' comms (``%unload_ext accelnb``)."""
     manager = comm.get_comm_manager()
     if TARGET_NAME in manager.targets:
-        manager.unregister_target(TARGET_NAME, _open_panel)
+        manager.unregister_target(TARGET_NAME, manager.targets[TARGET_NAME])
     for panel in list(_panels):
         panel.close()
 
@@ -94,23 +111,63 @@ def is_registered() -> bool:
     return TARGET_NAME in comm.get_comm_manager().targets
 
 
-def _open_panel(panel_comm: BaseComm, open_msg: dict[str, Any]) -> None:
-    """ipykernel calls this for every ``comm_open`` to our target."""
-    _PanelConnection(panel_comm).start()
+class InventoryReads:
+    """Reads the inventory on a background thread, never on the thread that asks.
+
+    :meth:`request` returns at once; the thread reads (once for any number of requests made
+    while it was reading, then again if more came) and hands each result to ``on_read``
+    together with the error text of a failed read ("" when it worked). The thread exists only
+    while there is reading to do.
+    """
+
+    def __init__(self, source: InventorySource, on_read: Callable[[Inventory, str], None]) -> None:
+        self._source = source
+        self._on_read = on_read
+        self._lock = threading.Lock()
+        self._wanted = False
+        self._reader: threading.Thread | None = None
+        self.first_read = threading.Event()
+
+    def request(self) -> None:
+        with self._lock:
+            self._wanted = True
+            if self._reader is None:
+                self._reader = threading.Thread(target=self._read_while_wanted, name="accelnb-lab-inventory",
+                                                daemon=True)
+                self._reader.start()
+
+    def _read_while_wanted(self) -> None:
+        while True:
+            with self._lock:
+                if not self._wanted:
+                    self._reader = None
+                    return
+                self._wanted = False
+            try:
+                inventory, error = self._source(), ""
+            except Exception as failure:  # a bad ACCELNB_SYNTHETIC_GPUS, a broken driver
+                inventory, error = Inventory(source="none", note=str(failure)), str(failure)
+            try:
+                self._on_read(inventory, error)
+            except Exception:  # a panel that cannot take it must not end the reads of the others
+                _log.warning("accelnb: the GPUs panel could not take an inventory", exc_info=True)
+            self.first_read.set()
 
 
-class _PanelConnection:
+class PanelConnection:
     """One panel: its comm, its subscriptions, and the inventory it was last shown."""
 
-    def __init__(self, panel_comm: BaseComm) -> None:
+    def __init__(self, panel_comm: BaseComm, inventory_source: InventorySource = read_inventory) -> None:
         self._comm = panel_comm
         self._inventory = Inventory()
         self._inventory_error = ""
+        self._inventory_known = False  # set by the first read
         self._inventory_run_id: int | None = None  # the finished run we last re-read after
-        self._unsubscribe: list[Any] = []
+        self._reads = InventoryReads(inventory_source, self._on_inventory)
+        self._unsubscribe: list[Callable[[], None]] = []
         self._closed = False
-        # States come from the shell thread (panel requests) and launcher threads (run
-        # changes); one at a time keeps them in order.
+        # States come from the shell thread (panel requests), launcher threads (run changes)
+        # and the inventory reader; one at a time keeps them in order.
         self._send_lock = threading.Lock()
 
     def start(self) -> None:
@@ -121,8 +178,7 @@ class _PanelConnection:
             run_state.on_run_change(self._on_run_change),
         ]
         _panels.append(self)
-        self._read_inventory()
-        self.send_state()
+        self._reads.request()  # the first state goes out once the GPUs are known
 
     def close(self) -> None:
         self._end()
@@ -140,47 +196,35 @@ class _PanelConnection:
             if kind == "select":
                 self._select(data)
             elif kind == "refresh":
-                self._read_inventory()
-                self.send_state()
+                self._reads.request()  # a state follows the read
             elif kind == "stop":
                 run_state.request_stop()
                 self.send_state()
             else:
                 raise ValueError(f"Unknown panel message type {kind!r}; expected select, refresh or stop.")
-        except ValueError as error:
+        except ValueError as error:  # LaunchConfigError included: the planner's and selection's words
             self._send({"type": "error", "message": str(error)})
             self.send_state()
 
     def _select(self, data: dict[str, Any]) -> None:
         gpus = data.get("gpus")
         count = data.get("num_processes")
-        if count is not None:
-            if gpus:
-                raise ValueError("Select either GPUs or a number of CPU ranks, not both.")
-            if not _is_int(count) or count < 1:
-                raise ValueError(f"CPU ranks must be a whole number, at least 1; got {count!r}.")
-            selection.set_selection(num_processes=count)
-        elif gpus:
-            selection.set_selection(gpus=self._checked_gpus(gpus))
+        if gpus:
+            gpus = self._planned_gpus(gpus)
+        if gpus or count is not None:
+            selection.set_selection(gpus=gpus or None, num_processes=count)
         else:
             selection.clear_selection()
 
-    def _checked_gpus(self, gpus: Any) -> list[int]:
-        """The GPU indices the panel sent, if this kernel can use every one of them."""
+    def _planned_gpus(self, gpus: Any) -> list[int]:
+        """The GPU indices the panel sent, in order, if a launch could plan with every one of them."""
         if not isinstance(gpus, list) or not all(_is_int(i) for i in gpus):
             raise ValueError(f"gpus must be a list of GPU indices, got {gpus!r}.")
-        inventory = self._inventory
-        for index in gpus:
-            gpu = inventory.by_index(index)
-            if gpu is None:
-                known = ", ".join(str(g.index) for g in inventory.gpus) or "none"
-                raise ValueError(f"There is no GPU {index} on this machine (GPUs: {known}). Press Refresh.")
-            if not gpu.visible:
-                raise ValueError(
-                    f"GPU {index} is hidden from this kernel by its CUDA_VISIBLE_DEVICES; "
-                    "start the kernel without that setting to use it."
-                )
-        return list(dict.fromkeys(gpus))  # drop repeats, keep the order
+        # A select before the first state is rare (the panel lists GPUs from a state); wait for
+        # the read rather than judge against an empty inventory.
+        self._reads.first_read.wait(FIRST_READ_WAIT_S)
+        planned = plan(gpus=gpus, inventory=self._inventory)
+        return [rank.gpu.index for rank in planned.ranks if rank.gpu is not None]
 
     def _on_close(self, msg: dict[str, Any]) -> None:
         self._end()
@@ -197,20 +241,20 @@ class _PanelConnection:
 
     def _on_run_change(self, run: run_state.RunState | None) -> None:
         if run is not None and run.finished and self._inventory_run_id != run.run_id:
-            # Memory and utilisation moved during the run; show them as they are now.
+            # Memory and utilisation moved during the run; show them as they are now (read in
+            # the background: this is the launch's own thread).
             self._inventory_run_id = run.run_id
-            self._read_inventory()
+            self._reads.request()
         self.send_state()
 
-    def _read_inventory(self) -> None:
-        try:
-            self._inventory = read_inventory()
-            self._inventory_error = ""
-        except Exception as error:  # a bad ACCELNB_SYNTHETIC_GPUS, a broken driver
-            self._inventory = Inventory(source="none", note=str(error))
-            self._inventory_error = str(error)
+    def _on_inventory(self, inventory: Inventory, error: str) -> None:
+        self._inventory, self._inventory_error = inventory, error
+        self._inventory_known = True
+        self.send_state()
 
     def send_state(self) -> None:
+        if not self._inventory_known:
+            return  # the first read sends the first state, with the GPUs in it
         if self._inventory_error:
             self._send({"type": "error", "message": self._inventory_error})
         self._send(state_message(self._inventory, selection.current_selection(), run_state.current_run()))

@@ -7,26 +7,38 @@
     train(model)                                         # rank 0's prints appear live
     final_accuracy                                       # rank 0's value is the cell's result
 
-Every option maps one-to-one onto a keyword of :func:`accelnb.launch`. The notebook names the
-cell reads are shipped to every rank by cloudpickle (modules are imported there instead), the
-names it assigns come back from rank 0, and the last result is ``_distributed`` (a
-:class:`~accelnb.kernel.launch_result.LaunchResult`, with ``.metrics``). Line forms manage persistent
-sessions: ``%distributed start --procs 2``, ``status``, ``stop``, ``restart``, ``panel``.
+    %distributed start --procs 2        # a persistent session: the next cells run on its workers
+    %distributed status | stop | restart [--procs 3] | panel
+
+Each form has its own grammar, as ipyparallel's magics do: the cell form takes every launch
+option plus ``--return``; ``start`` and ``restart`` take the options that place ranks; ``stop``,
+``status`` and ``panel`` take nothing, so ``%distributed stop --gpus 0`` is a usage error rather
+than silently ignored. The flags, their choices and their help are generated from
+:class:`accelnb.options.LaunchOptions`, and parsing ends in one: the magic cannot drift from the API.
+
+The notebook names the cell reads are shipped to every rank by cloudpickle (modules are imported
+there instead), the names it assigns come back from rank 0, and the last result is
+``_distributed`` (a :class:`~accelnb.kernel.launch_result.LaunchResult`, with ``.metrics``).
 """
 
 from __future__ import annotations
 
+import argparse
+import inspect
 import types
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic_arguments import MagicArgumentParser
 
-from accelnb.errors import GpuSelectionError, LaunchConfigError
+from accelnb.errors import LaunchConfigError, UnpicklableError
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.payload import check_picklable
-from accelnb.launcher import launch
+from accelnb.launcher import launch_with, plan_launch
+from accelnb.options import ALL_OPTIONS, CALL_OPTIONS, START_OPTIONS, LaunchOptions, Scope, described_fields
 from accelnb.session import Session
 from accelnb.wire.result_pickling import loads_in_kernel
 from accelnb.worker.cell_analysis import assigned_names, used_names
@@ -37,6 +49,76 @@ RANK_NAMES = ("rank", "local_rank", "world_size", "device")
 _SHELL_NAMES = {"In", "Out", "get_ipython", "exit", "quit", "_ih", "_oh", "_dh", "_", "__", "___",
                 "_distributed"}
 _SHIP_HINT = "Create it inside the %%distributed cell instead, or turn it into something that pickles."
+# The cell's result comes from rank 0 only (run_cell returns None elsewhere).
+_CELL_DEFAULTS = LaunchOptions(collect="rank0")
+
+
+# ── grammars ────────────────────────────────────────────────────────────────────────────────
+def magic_wording(text: str) -> str:
+    """An API-worded message or help text in the magic's terms: ``num_processes=N`` → ``--procs N``,
+    ``cpu=True`` → ``--cpu``, ``timeout must`` → ``--timeout must``."""
+    for each, info in described_fields():
+        if info.flag is None:
+            continue
+        if isinstance(each.default, bool):
+            text = text.replace(f"{each.name}=True", info.flag)
+        text = text.replace(f"{each.name}=", f"{info.flag} ").replace(f"{each.name} must ", f"{info.flag} must ")
+    return text
+
+
+def _option_parser(prog: str, description: str, scopes: tuple[Scope, ...]) -> MagicArgumentParser:
+    """A parser for the options of ``scopes`` that have a flag. Options not given are absent from
+    the result (``SUPPRESS``), so what the user typed is exactly what reaches LaunchOptions."""
+    parser = MagicArgumentParser(prog=prog, description=description)
+    for each, info in described_fields():
+        if info.flag is None or info.scope not in scopes:
+            continue
+        details: dict[str, Any] = {"dest": each.name, "default": argparse.SUPPRESS,
+                                   "help": magic_wording(info.help).replace("%", "%%")}  # argparse %-formats help
+        if isinstance(each.default, bool):
+            details["action"] = "store_true"
+        else:
+            details.update(type=info.parse, choices=info.choices, metavar=info.metavar)
+        parser.add_argument(info.flag, **details)
+    return parser
+
+
+# IPython's help formatter adds one "%" to each prog.
+CELL_GRAMMAR = _option_parser("%distributed", "Run this cell on every rank.", ("start", "call"))
+CELL_GRAMMAR.add_argument("--return", dest="return_names", default=None, metavar="NAMES",
+                          help='names to bring back from rank 0, comma-separated, or "none" '
+                               "(default: every name the cell assigns)")
+START_GRAMMAR = _option_parser("distributed start",
+                               "Start a persistent session (restart: stop it, then start it again "
+                               "with the same options, or with these).", ("start",))
+COMMANDS = ("start", "stop", "status", "restart", "panel")
+
+
+def parse_cell_line(line: str) -> tuple[dict[str, Any], list[str] | None]:
+    """The options given on a ``%%distributed`` line, and its ``--return`` names."""
+    first = line.split(maxsplit=1)[0] if line.strip() else ""
+    if first and not first.startswith("-"):
+        raise UsageError(f"Unexpected {first!r} on the %%distributed line: the cell form takes only "
+                         f"options (--procs 2, …). Session commands are line magics: %distributed {first}.")
+    given = vars(CELL_GRAMMAR.parse_argstring(line))
+    return given, _parse_return(given.pop("return_names"))
+
+
+def parse_start_options(arguments: str) -> dict[str, Any]:
+    """The options given to ``%distributed start`` or ``restart``."""
+    return vars(START_GRAMMAR.parse_argstring(arguments))
+
+
+@contextmanager
+def _as_usage_error() -> Iterator[None]:
+    """Bad input is shown as a short usage error in the magic's terms, not as a traceback.
+    An unpicklable notebook name stays what it is: its message names the variable and its type."""
+    try:
+        yield
+    except UnpicklableError:
+        raise
+    except LaunchConfigError as error:
+        raise UsageError(magic_wording(str(error))) from None
 
 
 @magics_class
@@ -48,74 +130,60 @@ class DistributedMagics(Magics):
     def __init__(self, shell: Any) -> None:
         super().__init__(shell)
         self.session: Session | None = None
-        self._session_line = ""
+        self._session_options: LaunchOptions | None = None  # kept for restart, even after a crash
         self._names_on_ranks: set[str] = set()  # assigned by earlier cells of the session
 
-    @magic_arguments()
-    @argument("command", nargs="?", default=None,
-              help="line form only: start | stop | status | restart | panel")
-    @argument("--gpus", default=None,
-              help='GPUs as nvidia-smi numbers them: "0,1,3", "all", or UUIDs. '
-                   "Default: the picker's selection, else every visible GPU.")
-    @argument("--procs", type=int, default=None,
-              help="number of ranks: CPU ranks where there is no GPU, else the first N GPUs")
-    @argument("--cpu", action="store_true", help="run --procs CPU ranks even where there are GPUs")
-    @argument("--backend", default=None, help="process-group backend (default nccl on GPUs, gloo on CPU)")
-    @argument("--port", type=int, default=None, help="rendezvous port on 127.0.0.1 (default: a free one)")
-    @argument("--timeout", type=float, default=None,
-              help="seconds; on expiry every rank's stack is shown and all are stopped")
-    @argument("--output", choices=("rank0", "all", "none"), default="rank0",
-              help="stream rank 0 (default), every rank with [rank N] prefixes, or none")
-    @argument("--mixed-precision", dest="mixed_precision", choices=("no", "fp16", "bf16"), default=None,
-              help="mixed precision seen by Accelerator()")
-    @argument("--return", dest="return_names", default=None,
-              help='names to bring back from rank 0, comma-separated, or "none" (default: every '
-                   "name the cell assigns)")
-    @argument("--quiet", action="store_true", help="do not print the rank → device table")
     @line_cell_magic
     def distributed(self, line: str, cell: str | None = None) -> Any:
         """Run this cell on every rank (cell form), or manage a persistent session (line form).
 
         Cell: ``%%distributed --gpus 0,1`` / ``--procs 2``. Predefined on every rank: ``rank``,
-        ``local_rank``, ``world_size``, ``device``.
+        ``local_rank``, ``world_size``, ``device`` (the rank's planned device).
         Line: ``%distributed start --procs 2`` keeps workers (and their variables) alive for the
-        next cells; ``%distributed status``; ``%distributed stop``; ``%distributed restart``;
-        ``%distributed panel`` shows the GPU picker.
+        next cells; ``%distributed status``; ``%distributed stop``; ``%distributed restart`` (the
+        same options, or new ones); ``%distributed panel`` shows the GPU picker.
         """
-        args = parse_argstring(self.distributed, line)
-        if cell is None:
-            return self._line_command(args, line)
-        if args.command is not None:
-            raise UsageError(f"Unexpected {args.command!r} on the %%distributed line; options start with --.")
-        return self._run_cell(args, cell, header=f"%%distributed {line}".rstrip())
+        if cell is not None:
+            given, return_names = parse_cell_line(line)
+            return self._run_cell(given, return_names, cell, header=f"%%distributed {line}".rstrip())
+        command, _, arguments = line.strip().partition(" ")
+        if command and command not in COMMANDS:
+            where = " Options go after a command (%distributed start --procs 2) or on a %%distributed cell." \
+                if command.startswith("-") else ""
+            raise UsageError(f"Unknown command {command!r}: use {', '.join(COMMANDS)}.{where}")
+        if command in ("start", "restart"):
+            given = parse_start_options(arguments)
+            return self._start(given) if command == "start" else self._restart(given)
+        if arguments.strip():
+            raise UsageError(f"%distributed {command} takes no options, got {arguments.strip()!r}. "
+                             "Options go to `%distributed start`/`restart`, or on a %%distributed cell.")
+        return self._bare_command(command or "status")
 
     # ── cells ───────────────────────────────────────────────────────────────────────────────
-    def _run_cell(self, args: Any, source: str, header: str) -> Any:
+    def _run_cell(self, given: dict[str, Any], return_names: list[str] | None, source: str,
+                  header: str) -> Any:
         in_session = self.session is not None and self.session.alive
-        if in_session and _chooses_devices(args):
-            raise UsageError("A persistent session is running; its devices are fixed. Drop --gpus/--procs, "
-                             "or `%distributed stop` first.")
+        fixed = sorted(name for name in given if name in START_OPTIONS)
+        if in_session and fixed:
+            flags = ", ".join(magic_wording(f"{name}=").strip() for name in fixed)
+            raise UsageError(f"A persistent session is running; its devices and process group are fixed, "
+                             f"so {flags} cannot change here. Drop {flags}, or `%distributed restart "
+                             f"{flags} …` to start it again with them.")
+        with _as_usage_error():
+            options = _CELL_DEFAULTS.with_keywords(given, accepted=ALL_OPTIONS, caller="%%distributed")
         # IPython has already counted this cell when magics run: the prompt shows one less.
         request = CellRequest(source=source, filename=f"<cell In[{self.shell.execution_count - 1}]>",
-                              header=header, names={}, modules={},
-                              return_names=_parse_return(args.return_names))
+                              header=header, names={}, modules={}, return_names=return_names)
         request.names.update(self._ship(source, skip=self._names_on_ranks if in_session else set()))
         request.modules.update(self._modules(source))
         try:
-            if in_session:
-                assert self.session is not None
-                result = self.session.run(run_cell, (request,), collect="rank0", timeout=args.timeout,
-                                          output=args.output)
-                self._names_on_ranks.update(assigned_names(source))
-            else:
-                result = launch(run_cell, (request,), args.procs, gpus=args.gpus, cpu=args.cpu,
-                                backend=args.backend, master_port=args.port, timeout=args.timeout,
-                                output=args.output, mixed_precision=args.mixed_precision,
-                                quiet=args.quiet, collect="rank0")
-        except GpuSelectionError as error:
-            raise UsageError(_magic_wording(str(error))) from None
-        except LaunchConfigError as error:
-            raise UsageError(str(error)) from None
+            with _as_usage_error():
+                if in_session:
+                    assert self.session is not None
+                    result = self.session.run(run_cell, (request,), **_call_keywords(options))
+                    self._names_on_ranks.update(assigned_names(source))
+                else:
+                    result = launch_with(run_cell, (request,), {}, options)
         finally:
             if self.session is not None and not self.session.alive:
                 self.session = None
@@ -165,48 +233,56 @@ class DistributedMagics(Magics):
         return None
 
     # ── sessions ────────────────────────────────────────────────────────────────────────────
-    def _line_command(self, args: Any, line: str) -> Any:
-        command = args.command or "status"
-        if command == "start":
-            if self.session is not None and self.session.alive:
-                raise UsageError("A session is already running. Use `%distributed restart` to start "
-                                 "a new one, or `%distributed stop`.")
-            return self._start(args, line)
+    def _start(self, given: dict[str, Any]) -> None:
+        if self.session is not None and self.session.alive:
+            raise UsageError("A session is already running. Use `%distributed restart` to start "
+                             "a new one, or `%distributed stop`.")
+        with _as_usage_error():
+            self._begin(Session.start_with(_start_options(given)))
+
+    def _restart(self, given: dict[str, Any]) -> None:
+        """Stop the session and start it again: with the options it had, or with ``given``.
+        New options are checked and planned before the running session is stopped."""
+        if not given and self._session_options is None:
+            raise UsageError("No session to restart. `%distributed start --procs 2` (or --gpus 0,1) "
+                             "starts one.")
+        with _as_usage_error():
+            options = _start_options(given) if given else self._session_options
+            assert options is not None
+            plan_launch(options)  # bad options leave the running session alone
+        self._stop()
+        with _as_usage_error():
+            self._begin(Session.start_with(options))
+
+    def _begin(self, session: Session) -> None:
+        self.session = session
+        self._session_options = session.options
+        self._names_on_ranks = set()
+
+    def _bare_command(self, command: str) -> Any:
         if command == "stop":
             self._stop()
             print("accelnb: session stopped; every worker has exited.")
-            return None
-        if command == "restart":
-            self._stop()
-            new_line = line.replace("restart", "start", 1) if _chooses_devices(args) else self._session_line
-            return self._start(parse_argstring(self.distributed, new_line or "start"), new_line)
-        if command == "status":
+        elif command == "status":
             print(self.session.status() if self.session is not None else
                   "accelnb: no session. `%distributed start --procs 2` (or --gpus 0,1) starts one.")
-            return None
-        if command == "panel":
+        elif command == "panel":
             from accelnb.notebook.panel import show_panel
 
             return show_panel()
-        raise UsageError(f"Unknown command {command!r}: use start, stop, status, restart or panel.")
-
-    def _start(self, args: Any, line: str) -> None:
-        try:
-            self.session = Session.start(args.gpus, args.procs, cpu=args.cpu, backend=args.backend,
-                                         master_port=args.port, mixed_precision=args.mixed_precision,
-                                         quiet=args.quiet)
-        except GpuSelectionError as error:
-            raise UsageError(_magic_wording(str(error))) from None
-        except LaunchConfigError as error:
-            raise UsageError(str(error)) from None
-        self._session_line = line
-        self._names_on_ranks = set()
+        return None
 
     def _stop(self) -> None:
         if self.session is not None:
             self.session.stop()
         self.session = None
         self._names_on_ranks = set()
+
+
+# `%distributed?` shows both grammars, generated like the parsers themselves.
+DistributedMagics.distributed.__doc__ = "\n\n".join([
+    inspect.cleandoc(DistributedMagics.distributed.__doc__ or ""), CELL_GRAMMAR.format_help(),
+    START_GRAMMAR.format_help()])
 
 
 class _Repr:
@@ -219,8 +295,13 @@ class _Repr:
         return self.text
 
 
-def _chooses_devices(args: Any) -> bool:
-    return args.gpus is not None or args.procs is not None or args.cpu
+def _start_options(given: dict[str, Any]) -> LaunchOptions:
+    return LaunchOptions().with_keywords(given, accepted=START_OPTIONS, caller="%distributed start")
+
+
+def _call_keywords(options: LaunchOptions) -> dict[str, Any]:
+    """The call options of ``options``, as keywords of ``Session.run``."""
+    return {name: getattr(options, name) for name in CALL_OPTIONS}
 
 
 def _parse_return(option: str | None) -> list[str] | None:
@@ -229,8 +310,3 @@ def _parse_return(option: str | None) -> list[str] | None:
     if option.strip().lower() == "none":
         return []
     return [name.strip() for name in option.split(",") if name.strip()]
-
-
-def _magic_wording(message: str) -> str:
-    return (message.replace("num_processes=N", "--procs N").replace("num_processes=", "--procs ")
-            .replace("gpus=", "--gpus ").replace("cpu=True", "--cpu"))

@@ -21,11 +21,14 @@ headless, or opened later, still shows the curves. Each chart thins its series t
 :class:`~accelnb.kernel.metrics_history.MetricHistory` keeps everything.
 
 Nothing is displayed when nothing was reported. Without an IPython kernel (a script, a terminal)
-the view prints a compact text summary at close instead.
+the view prints a compact text summary at close instead. A surface that raises follows accelnb's
+observer policy (:mod:`accelnb.kernel.observers`): the view logs the error once, stops drawing,
+and the launch goes on.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import sys
 import time
@@ -43,6 +46,8 @@ RENDER_BUDGET = 0.05  # at most this fraction of the kernel's time goes to drawi
 POINTS_PER_CHART = 150
 MAX_CHARTS = 12
 RATE_SMOOTHING = 0.3  # weight of the newest rate sample in a bar's moving average
+
+_log = logging.getLogger(__name__)
 
 
 class DisplaySurface(Protocol):
@@ -246,13 +251,13 @@ class LiveMetricsView:
                 self._surface = default_surface()
             self._surface.draw({"text/html": self.render_html(final), "text/plain": self.render_text(final)},
                                final)
-        except Exception as error:  # a broken display must never break the launch
+        except Exception:  # accelnb's observer policy: a broken display never breaks the launch
             self._broken = True
             if self._unhook is not None:
                 self._unhook()
                 self._unhook = None
-            print(f"accelnb: live metrics display failed ({type(error).__name__}: {error}); "
-                  "the launch's metric history still has everything.", file=sys.stderr)
+            _log.warning("accelnb: the live metrics display failed and stops drawing; the launch goes "
+                         "on, and its metric history still has everything.", exc_info=True)
             return
         self.draws += 1
         self._dirty = False

@@ -15,10 +15,15 @@ no GPU, a CPU-ranks control takes the table's place. A synthetic inventory is fl
 
 While a run goes, each rank's state (starting, running, done, failed, stopped) is shown, with a
 Stop button. A click reaches the kernel while the cell is still blocked in the launch because the
-panel registers :func:`accelnb.notebook.kernel_messages.let_comm_messages_through` as a launcher wait hook.
+panel registers :func:`accelnb.notebook.kernel_messages.process_comm_messages` as a launcher wait
+hook.
 
-``close()`` ends the refresh thread and the subscriptions; a panel that is never closed keeps
-them for the life of the kernel (ipywidgets keeps every open widget alive anyway).
+``close()`` ends the refresh thread and the subscriptions. accelnb itself holds a panel only
+weakly (its selection and run subscriptions, the refresh thread, the wait hook), so a panel
+nothing else holds is collected, and collecting it ends all of those as ``close()`` would.
+ipywidgets 8 keeps every open widget in a registry until it is closed, so there that happens
+after ``close()`` or ``Widget.close_all()``; ipywidgets builds that hold widgets weakly collect an
+unreferenced panel without either.
 """
 
 from __future__ import annotations
@@ -88,7 +93,7 @@ class Panel(widgets.VBox):
         refresh_interval: seconds between inventory reads for the live memory and utilisation
             columns; ``None`` reads it once (call :meth:`refresh` to read it again).
         inventory_source: where the GPU list comes from; default :func:`read_inventory`, which
-            honours ``ACCELNB_SYNTHETIC_GPUS`` and ``use_inventory_source``.
+            honours ``ACCELNB_SYNTHETIC_GPUS`` and ``set_inventory_source``.
     """
 
     def __init__(self, refresh_interval: float | None = DEFAULT_REFRESH_S,
@@ -134,12 +139,15 @@ class Panel(widgets.VBox):
         self.refresh()
         self._on_selection(current_selection())
         self._on_run(run_state.current_run())
-        self._unsubscribe = [on_selection_change(self._on_selection), run_state.on_run_change(self._on_run),
-                             _stop_reaches_busy_kernel()]
-        self._stop_refreshing = threading.Event()
+        # Everything below refers to the panel weakly; the finalizer ends it all when the panel
+        # is closed or collected, whichever comes first.
+        stop_refreshing = threading.Event()
+        releases = [on_selection_change(_weakly(self, Panel._on_selection)),
+                    run_state.on_run_change(_weakly(self, Panel._on_run)),
+                    _stop_reaches_busy_kernel()]
+        self._release = weakref.finalize(self, _release_all, stop_refreshing, releases)
         if refresh_interval is not None:
-            threading.Thread(target=_refresh_loop, args=(weakref.ref(self), self._stop_refreshing,
-                                                         refresh_interval),
+            threading.Thread(target=_refresh_loop, args=(weakref.ref(self), stop_refreshing, refresh_interval),
                              name="accelnb-panel-refresh", daemon=True).start()
 
     # ── the GPU table ───────────────────────────────────────────────────────────────────────
@@ -261,12 +269,9 @@ class Panel(widgets.VBox):
     # ── lifetime ────────────────────────────────────────────────────────────────────────────
     def close(self) -> None:
         """Stop refreshing, stop listening, and close every widget of the panel."""
-        stop = getattr(self, "_stop_refreshing", None)
-        if stop is not None:
-            stop.set()
-        for unsubscribe in getattr(self, "_unsubscribe", []):
-            unsubscribe()
-        self._unsubscribe = []
+        release = getattr(self, "_release", None)  # absent when __init__ failed before it
+        if release is not None:
+            release()
         _close_tree(list(self.children))
         super().close()
 
@@ -274,6 +279,25 @@ class Panel(widgets.VBox):
 def show_panel(**kwargs: Any) -> Panel:
     """A new :class:`Panel`, for ``%distributed panel``: return it from the magic to display it."""
     return Panel(**kwargs)
+
+
+def _weakly(panel: Panel, method: Callable[[Panel, Any], None]) -> Callable[[Any], None]:
+    """A listener that calls ``method`` on ``panel`` while the panel lives, holding it weakly."""
+    panel_ref = weakref.ref(panel)
+
+    def call(value: Any) -> None:
+        alive = panel_ref()
+        if alive is not None:
+            method(alive, value)
+
+    return call
+
+
+def _release_all(stop_refreshing: threading.Event, releases: list[Callable[[], None]]) -> None:
+    """End a panel's refresh thread and subscriptions (its finalizer: runs once)."""
+    stop_refreshing.set()
+    for release in releases:
+        release()
 
 
 def _refresh_loop(panel_ref: weakref.ref[Panel], stop: threading.Event, interval: float) -> None:
@@ -299,7 +323,7 @@ def _stop_reaches_busy_kernel() -> Callable[[], None]:
     with _hook_lock:
         _hook_users += 1
         if _unregister_hook is None:
-            _unregister_hook = run_state.add_wait_hook(kernel_messages.let_comm_messages_through)
+            _unregister_hook = run_state.add_wait_hook(kernel_messages.process_comm_messages)
     released = False
 
     def release() -> None:
@@ -353,7 +377,7 @@ def _banner(inventory: Inventory) -> str:
     if inventory.synthetic:
         return ("<div style='background:#fff3cd;border:1px solid #e0c060;padding:4px 8px'>"
                 "<b>Synthetic GPUs</b>: this inventory is made up (ACCELNB_SYNTHETIC_GPUS or "
-                "use_inventory_source); there is no such hardware, and ranks run on the CPU.</div>")
+                "set_inventory_source); there is no such hardware, and ranks run on the CPU.</div>")
     if not inventory.visible:
         why = f" ({inventory.note})" if inventory.note else ""
         return ("<div style='background:#eef3f8;border:1px solid #9fb6cc;padding:4px 8px'>"

@@ -22,7 +22,11 @@ class RunCall:
 
 @dataclass(frozen=True)
 class Shutdown:
-    """Tear down the process group and exit."""
+    """Leave: the kernel is done with this worker (every rank answered, or the session ends).
+
+    The worker exits with ``os._exit`` without tearing down the process group: the OS closes its
+    sockets. What the rank started is ended by accelnb's helper process once the worker is gone.
+    """
 
 
 @dataclass(frozen=True)
@@ -30,30 +34,28 @@ class Joined:
     """The worker joined the default process group and waits for calls."""
 
     rank: int
-    pid: int
-    seconds: float  # how long joining took
 
 
 @dataclass(frozen=True)
 class CallResult:
+    """The call returned on this rank."""
+
     rank: int
     call_id: int
-    value: bytes | None  # cloudpickled return value, None when not wanted
-    seconds: float
+    value: bytes | None  # the return value (``result_pickling.dumps_for_kernel``), None when not wanted
 
 
 @dataclass(frozen=True)
 class CallError:
-    """The user's code (or the set-up before it) raised on this rank."""
+    """The user's code (or the set-up before it) raised on this rank, or its value cannot travel."""
 
     rank: int
     call_id: int | None  # None: failed while setting up, before any call
     type_name: str  # "ValueError", "torch.distributed.DistBackendError"
     message: str
-    traceback: str  # formatted, launcher frames removed
-    exception: bytes | None  # the pickled exception, when it pickles
+    traceback: str  # formatted, without accelnb's frames; "" when no user code is to blame
+    exception: bytes | None  # ``result_pickling.dumps_exception_for_kernel``; None if it cannot travel
     timestamp: float
-    keyboard_interrupt: bool = False
 
 
 @dataclass(frozen=True)
@@ -67,7 +69,7 @@ class MetricBatch:
 
 @dataclass(frozen=True)
 class ProgressState:
-    """The state of one ``accelnb.worker.progress`` bar on rank 0 at one moment."""
+    """The state of one ``accelnb.progress`` bar on rank 0 at one moment."""
 
     bar_id: int
     position: int  # nesting depth when it opened (0: outermost); a newer bar takes over its line
@@ -90,6 +92,3 @@ class ProgressBatch(MetricBatch):
 
     bars: list[ProgressState] = field(default_factory=list)
 
-
-Event = Joined | CallResult | CallError | MetricBatch
-Command = RunCall | Shutdown

@@ -1,6 +1,6 @@
 """What the kernel tells the helper about each worker it should fork: one :class:`WorkerSpec` per rank.
 
-Built on the kernel side from the plan (``accelnb.kernel.runs``), read on the worker side
+Built on the kernel side from the plan (``accelnb.kernel.worker_specs``), read on the worker side
 (``accelnb.worker.main``); the file descriptors travel beside it with ``SCM_RIGHTS``.
 """
 
@@ -23,7 +23,6 @@ class WorkerSpec:
     master_port: int
     cwd: str
     sys_path: list[str]
-    join_timeout_s: float = 300.0
     persistent: bool = False
     threads_per_rank: int = 1
     holds_store: bool = False  # receives the bound rendezvous socket (rank 0 of a single node)

@@ -1,7 +1,7 @@
 """Route Accelerate's experiment tracking (``accelerator.log``) to accelnb's live view.
 
     from accelerate import Accelerator
-    from accelnb.worker.accelerate_tracker import AccelerateTracker
+    from accelnb import AccelerateTracker
 
     def train():
         accelerator = Accelerator(log_with=AccelerateTracker())

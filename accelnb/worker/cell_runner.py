@@ -3,9 +3,15 @@
 The kernel sends a :class:`CellRequest` (source, the notebook names the cell uses, modules to
 import); every rank executes it in a namespace that lives as long as the worker (so a persistent
 session keeps variables between cells), with ``rank``, ``local_rank``, ``world_size`` and
-``device`` predefined. The source is registered with ``linecache`` under the cell's own file
-name, so tracebacks show the cell's line numbers and lines. Rank 0 sends back the value of the
-last expression and the names the cell assigned (tensors on the CPU).
+``device`` predefined. ``device`` is the rank's planned device, read from ``ACCELNB_DEVICE`` and
+never re-derived here: a synthetic inventory on a GPU host plans cpu, and the cell gets cpu. The
+source is registered with ``linecache`` under the cell's own file name, so tracebacks show the
+cell's line numbers and lines. Rank 0 sends back the value of the last expression and the names
+the cell assigned (tensors on the CPU).
+
+    >>> run_cell(CellRequest(source="x = rank\nx + 1", filename="<cell In[1]>",
+    ...                      header="%%distributed", names={}, modules={}, return_names=None))
+    ... # doctest: +SKIP  (inside a rank)
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from typing import Any
 from accelnb.wire.result_pickling import dumps_for_kernel
 
 _namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+# Set by the planner (accelnb.kernel.planning.DEVICE_ENV) in every rank's environment; the worker
+# side may not import the kernel's modules, and tests/test_planning.py pins the two names equal.
+DEVICE_ENV = "ACCELNB_DEVICE"
 
 
 @dataclass(frozen=True)
@@ -50,10 +59,8 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
         namespace[name] = importlib.import_module(module)
     namespace.update(request.names)
     rank = int(os.environ["RANK"])
-    local_rank = int(os.environ["LOCAL_RANK"])
-    uses_cuda = torch.cuda.is_available() and os.environ.get("CUDA_VISIBLE_DEVICES", "") != ""
-    namespace.update(rank=rank, local_rank=local_rank, world_size=int(os.environ["WORLD_SIZE"]),
-                     device=torch.device(f"cuda:{local_rank}" if uses_cuda else "cpu"))
+    namespace.update(rank=rank, local_rank=int(os.environ["LOCAL_RANK"]),
+                     world_size=int(os.environ["WORLD_SIZE"]), device=torch.device(os.environ[DEVICE_ENV]))
 
     # Line numbers count from the magic line, as the notebook shows the cell.
     padded = "\n" + request.source

@@ -1,10 +1,11 @@
-"""The clean helper process that forks workers: fork speed without fork's dangers.
+"""accelnb's helper process, which forks the workers: fork speed without fork's dangers.
 
 Forking the kernel is fast but breaks as soon as the notebook touched CUDA; spawning fresh
 interpreters is safe but pays ``import torch`` (1–2 s) and torch's lazy imports on every launch.
-This helper is a fresh interpreter, started once per kernel by ``helper_client.py``, that imports
-torch (and what training touches first, such as ``torch._dynamo``) and then never touches CUDA
-nor starts a thread. Each worker is a fork of it: milliseconds, with everything pre-imported.
+The helper process is a fresh interpreter, started once per kernel by ``kernel/helper_client.py``,
+that imports torch (and what training touches first, such as ``torch._dynamo``) and then never
+touches CUDA nor starts a thread. Each worker is a fork of it: milliseconds, with everything
+pre-imported.
 
 Protocol, over one private ``AF_UNIX``/``SOCK_SEQPACKET`` socketpair inherited from the kernel
 (no listening socket exists, so nobody else can reach it):
@@ -13,10 +14,31 @@ Protocol, over one private ``AF_UNIX``/``SOCK_SEQPACKET`` socketpair inherited f
 - kernel → helper ``("spawn", request_id, [WorkerSpec…])`` with each worker's fds attached
   (stdout, stderr, events, inbox, and for rank 0 the TCPStore's listening socket);
 - helper → kernel ``("spawned", request_id, [pid…])`` or ``("spawn_failed", request_id, text)``;
-- helper → kernel ``("exited", pid, returncode)`` for every worker, negative for a signal.
+- helper → kernel ``("exited", pid, returncode, reaped_at)`` once for every worker it forked
+  (``returncode`` negative for a signal, ``reaped_at`` the wall time it was reaped), sent only
+  once every process that worker left behind is gone (see below; at most
+  ``LEFTOVERS_LIMIT_S`` later, for a process stuck in the OS that SIGKILL cannot end at once).
 
-When the kernel's end closes (the kernel died or shut us down), every worker's process group is
-killed and the helper exits. Workers also get ``PR_SET_PDEATHSIG`` so they die with the helper.
+**Nothing a rank starts outlives it.** A rank's children may leave its process group, even its
+session (``start_new_session=True``, a double-forked daemon), so signalling the group is not
+enough. Both the helper and every worker are *child subreapers* (``PR_SET_CHILD_SUBREAPER``): a
+process orphaned while its rank lives is re-parented to the rank, not to init, so everything a
+rank started stays in its process tree; when the rank dies, what is left of that tree is
+re-parented to the helper, before the helper is told of the death. So when the helper reaps a
+worker, every other child it has is something a dead rank left behind: it SIGKILLs those and
+their descendants, reaps them, and only then reports the worker's exit. Orphans are reaped
+silently; only the workers' exits are reported.
+
+A worker, being a subreaper, also inherits zombies: a process orphaned inside the rank (the
+daemon of a double fork) that exits while the rank runs stays a zombie until the rank ends,
+since nobody in the rank waits for it. A zombie holds a pid and no memory; reaping them in the
+worker would steal exit statuses from ``subprocess`` and ``multiprocessing``, which wait for
+their own children by pid, and nothing marks a child as adopted rather than forked.
+
+When the kernel's end closes (the kernel died or shut us down), every worker and everything
+under it is killed and the helper exits. Workers also get ``PR_SET_PDEATHSIG`` so they die with
+the helper. (If the helper itself is SIGKILLed, its workers die that way, and whatever they left
+behind is re-parented to init: no process of accelnb's remains to end it.)
 
 Run as ``python -m accelnb.worker.helper CONTROL_FD [MODULE …]``.
 """
@@ -32,10 +54,14 @@ import signal
 import socket
 import sys
 import time
+import traceback
 from typing import Any
 
 PR_SET_PDEATHSIG = 1
+PR_SET_CHILD_SUBREAPER = 36
 MAX_FDS_PER_MESSAGE = 250  # SCM_RIGHTS limit is 253
+LEFTOVERS_LIMIT_S = 2.0  # SIGKILLed leftovers die at once, unless stuck in the kernel (D state)
+START_FAILED_EXIT_CODE = 70  # EX_SOFTWARE: the worker failed before running anything of the user's
 DEFAULT_PREIMPORTS = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch._dynamo",
                       "torch.utils.data", "accelnb.worker.main")
 OPTIONAL_PREIMPORTS = ("accelerate",)
@@ -60,36 +86,39 @@ def preimport(modules: list[str]) -> None:
         raise RuntimeError("a pre-imported module initialised CUDA; workers could not use CUDA")
 
 
+def become_subreaper() -> None:
+    """Orphans among our descendants become our children, not init's (see the module docstring)."""
+    if ctypes.CDLL(None).prctl(PR_SET_CHILD_SUBREAPER, 1) != 0:
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
+
+
 def serve(sock: socket.socket) -> None:
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
     os.set_blocking(wake_w, False)
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
-    children: set[int] = set()
+    workers: set[int] = set()
     while True:
         readable, _, _ = select.select([sock.fileno(), wake_r], [], [])
         if wake_r in readable:
-            try:
-                os.read(wake_r, 4096)
-            except BlockingIOError:
-                pass
-        _reap(sock, children)
+            _drain(wake_r)
+        _reap(sock, workers, wake_r)
         if sock.fileno() in readable:
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 1 << 20, MAX_FDS_PER_MESSAGE)
             except OSError:
                 data, fds = b"", []
             if not data:
-                _kill_all(children)
+                _end_descendants(set(), wake_r)
                 return
             message = pickle.loads(data)
             if message[0] == "spawn":
-                _spawn(sock, message[1], message[2], fds, children, (wake_r, wake_w))
+                _spawn(sock, message[1], message[2], fds, workers, (wake_r, wake_w))
 
 
 def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int],
-           children: set[int], own_fds: tuple[int, int]) -> None:
+           workers: set[int], own_fds: tuple[int, int]) -> None:
     pids: list[int] = []
     try:
         position = 0
@@ -105,12 +134,14 @@ def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int
                     if fd not in mine:
                         os.close(fd)
                 _become_worker(spec, mine, sock, own_fds)  # never returns
-            children.add(pid)
+            workers.add(pid)
             pids.append(pid)
         send(sock, ("spawned", request_id, pids))
     except Exception as error:
         for pid in pids:
-            _kill_group(pid)
+            # Nobody learns these pids: end them as leftovers, reaped without a report.
+            workers.discard(pid)
+            _kill(pid)
         send(sock, ("spawn_failed", request_id, f"{type(error).__name__}: {error}"))
     finally:
         for fd in fds:
@@ -118,13 +149,28 @@ def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int
 
 
 def _become_worker(spec: Any, fds: list[int], sock: socket.socket, own_fds: tuple[int, int]) -> None:
-    code = 70
+    """The forked child's way from the helper's state to ``worker_main``; never returns.
+
+    Output goes to the rank's pipes first, so that a failure after that is visible: its
+    traceback goes to the rank's stderr, and a set-up failure event to the kernel, which then
+    shows the cause rather than a bare exit code.
+    """
+    code = START_FAILED_EXIT_CODE
+    stderr_fd = fds[1]  # until dup2 moved it to 2 (fd 2 is the helper's /dev/null before that)
     try:
+        stdout_fd, events_fd, inbox_fd = fds[0], fds[2], fds[3]
+        store_fd = fds[4] if len(fds) > 4 else None
+        os.dup2(stdout_fd, 1)
+        os.dup2(stderr_fd, 2)
+        os.close(stdout_fd)
+        os.close(stderr_fd)
+        stderr_fd = 2
         parent = os.getppid()
         os.setsid()  # out of the kernel's group: a notebook interrupt must not reach us directly
         ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:  # the helper died between fork and prctl
             os._exit(code)
+        become_subreaper()
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
@@ -132,55 +178,141 @@ def _become_worker(spec: Any, fds: list[int], sock: socket.socket, own_fds: tupl
         sock.close()
         for fd in own_fds:
             os.close(fd)
-        stdout_fd, stderr_fd, events_fd, inbox_fd = fds[:4]
-        store_fd = fds[4] if len(fds) > 4 else None
-        os.dup2(stdout_fd, 1)
-        os.dup2(stderr_fd, 2)
-        os.close(stdout_fd)
-        os.close(stderr_fd)
         from accelnb.worker.main import worker_main
 
         code = worker_main(spec, inbox_fd, events_fd, store_fd)
-    except BaseException:
-        import traceback
-
-        traceback.print_exc()
+    except BaseException as error:
+        _report_start_failure(spec.rank, stderr_fd, fds[2], error)
     finally:
         os._exit(code)
 
 
-def _reap(sock: socket.socket, children: set[int]) -> None:
-    while children:
+def _report_start_failure(rank: int, stderr_fd: int, events_fd: int, error: BaseException) -> None:
+    """Best effort, each step on its own: the traceback on the rank's stderr (this is accelnb's
+    own failure, so its frames are the point), and a set-up failure event for the kernel."""
+    text = "".join(traceback.format_exception(type(error), error, error.__traceback__))
+    try:
+        os.write(stderr_fd, f"accelnb could not start the worker of rank {rank}:\n{text}".encode(errors="replace"))
+    except OSError:
+        pass
+    try:
+        from accelnb.worker.main import report_setup_failure
+
+        report_setup_failure(rank, events_fd, error)
+    except BaseException:
+        pass  # the traceback above is all we could do
+
+
+def _reap(sock: socket.socket, workers: set[int], wake_r: int) -> None:
+    """Reap every dead child; for each dead worker, end what it left behind, then report it."""
+    while True:
+        exits = _reap_dead_children(workers)
+        if not exits:
+            return
+        _end_descendants(workers, wake_r)
+        for pid, code, reaped_at in exits:
+            send(sock, ("exited", pid, code, reaped_at))
+
+
+def _reap_dead_children(workers: set[int]) -> list[tuple[int, int, float]]:
+    """Wait for every child that has exited; returns the workers among them (pid, code, time)."""
+    exits = []
+    while True:
         try:
             pid, status = os.waitpid(-1, os.WNOHANG)
         except ChildProcessError:
-            return
+            break
         if pid == 0:
+            break
+        if pid in workers:  # anything else is a leftover of a dead rank: nobody's business
+            workers.discard(pid)
+            exits.append((pid, os.waitstatus_to_exitcode(status), time.time()))
+    return exits
+
+
+def _end_descendants(spare: set[int], wake_r: int) -> None:
+    """SIGKILL and reap every descendant that is not under one of the ``spare`` workers.
+
+    Repeats until none is left: a process may fork between our look and our kill, and what a
+    killed process leaves is re-parented to us. Bounded by ``LEFTOVERS_LIMIT_S``.
+    """
+    deadline = time.monotonic() + LEFTOVERS_LIMIT_S
+    me = os.getpid()
+    unkillable: set[int] = set()  # another user's (a setuid program): not ours to end
+    while True:
+        tree = _children_by_parent()
+        doomed = _descendants(me, tree, spare | unkillable)
+        if not doomed:
             return
-        children.discard(pid)
-        send(sock, ("exited", pid, os.waitstatus_to_exitcode(status), time.time()))
+        unkillable.update(pid for pid in doomed if not _kill(pid))
+        reaped = [pid for pid in tree.get(me, []) if pid not in spare and _reap_one(pid)]
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        if not reaped and select.select([wake_r], [], [], min(remaining, 0.05))[0]:  # a SIGCHLD came
+            _drain(wake_r)
 
 
-def _kill_group(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _kill_all(children: set[int]) -> None:
-    for pid in children:
-        _kill_group(pid)
-    for pid in list(children):
+def _children_by_parent() -> dict[int, list[int]]:
+    """Every process's children, from ``/proc/*/stat`` (``/proc/PID/task/*/children`` needs
+    a kernel option that is often off)."""
+    tree: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
         try:
-            os.waitpid(pid, 0)
-        except ChildProcessError:
+            with open(f"/proc/{entry.name}/stat", "rb") as stat:
+                fields = stat.read()
+        except OSError:  # it exited meanwhile
+            continue
+        # "pid (comm) state ppid …": comm may hold spaces and parentheses; the last ")" ends it.
+        parent = int(fields[fields.rindex(b")") + 2:].split(b" ", 2)[1])
+        tree.setdefault(parent, []).append(int(entry.name))
+    return tree
+
+
+def _descendants(root: int, tree: dict[int, list[int]], spare: set[int]) -> list[int]:
+    """``root``'s descendants, parents before children, skipping ``spare`` and their subtrees."""
+    found: list[int] = []
+    pending = [pid for pid in tree.get(root, []) if pid not in spare]
+    while pending:
+        pid = pending.pop()
+        found.append(pid)
+        pending.extend(tree.get(pid, []))
+    return found
+
+
+def _reap_one(pid: int) -> bool:
+    """Reap ``pid`` if it has exited; True when it had."""
+    try:
+        return os.waitpid(pid, os.WNOHANG)[0] == pid
+    except ChildProcessError:
+        return False
+
+
+def _kill(pid: int) -> bool:
+    """SIGKILL ``pid``; False when it is not ours to kill."""
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    except PermissionError:
+        return False
+    return True
+
+
+def _drain(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
             pass
+    except BlockingIOError:
+        pass
 
 
 def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
+    become_subreaper()
     preimport(argv[1:] or list(DEFAULT_PREIMPORTS))
     send(sock, ("ready", os.getpid()))
     # From now on nothing of ours should print; workers get their own fds.

@@ -1,9 +1,9 @@
 """A progress bar for launched functions, drawn in the notebook cell from rank 0's loop.
 
-    for batch in accelnb.worker.progress(loader, desc="epoch 1"):      # inside the launched function
+    for batch in accelnb.progress(loader, desc="epoch 1"):      # inside the launched function
         ...
 
-    with accelnb.worker.progress(total=num_steps, desc="train") as bar:    # or updated by hand
+    with accelnb.progress(total=num_steps, desc="train") as bar:    # or updated by hand
         while ...:
             bar.update()
 
@@ -57,7 +57,7 @@ class Progress(Generic[T]):
 
     def __iter__(self) -> Iterator[T]:
         if self.iterable is None:
-            raise TypeError("accelnb.worker.progress(total=…) without an iterable is updated with .update(n), "
+            raise TypeError("accelnb.progress(total=…) without an iterable is updated with .update(n), "
                             "not iterated.")
         if not self._shown:
             return iter(self.iterable)
@@ -103,7 +103,7 @@ class Progress(Generic[T]):
 
     def __repr__(self) -> str:
         of = f"/{self.total}" if self.total is not None else ""
-        return f"<accelnb.worker.progress {self.desc or ''!s} {self.n}{of}{' closed' if self.closed else ''}>"
+        return f"<accelnb.progress {self.desc or ''!s} {self.n}{of}{' closed' if self.closed else ''}>"
 
 
 def progress(iterable: Iterable[T] | None = None, total: int | None = None,

@@ -25,9 +25,10 @@ RECORD_PATH = Path(__file__).resolve().parents[2] / "test-artifacts" / "faults.j
 _record: dict[str, dict[str, Any]] = {}
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture
 def helper_pid() -> int:
-    """The kernel's worker helper, started once (its start is not part of any measurement)."""
+    """The kernel's helper process, started before the test (its start is not part of any
+    measurement). Per test: the own-fault tests kill it, and the next test gets a fresh one."""
     from accelnb.kernel.helper_client import shared_helper
 
     return shared_helper().pid

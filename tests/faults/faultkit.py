@@ -62,6 +62,7 @@ def fault_target(fault: str, fault_rank: int, phase: str, report_dir: str,
             wait_for_report(report_dir, fault_rank, "armed_at")
             report(report_dir, rank, fault_at=time.time())
             raise RuntimeError(f"rank {rank} fails while rank {fault_rank} ignores SIGTERM")
+        report(report_dir, rank, collective_at=time.time())  # the test knows we are about to wait
         dist.all_reduce(tensor)  # waits here for the faulty rank
         return tensor.item()
     if fault == "ignore_sigterm":

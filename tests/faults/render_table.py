@@ -39,6 +39,9 @@ FAULTS: dict[str, str] = {  # key → (number and name) in the issue's order
     "unpicklable": "11. Unpicklable argument / keyword / notebook name",
     "ignore_sigterm": "12. A rank ignores SIGTERM (the other rank fails)",
     "setup_backend": "Set-up itself fails on every rank (`backend=\"mpi\"`, not built in)",
+    "helper_killed": "13. accelnb's helper process SIGKILLed mid-run",
+    "interrupt_start": "14. Ctrl-C during start-up and while the call is sent",
+    "detached_child": "15. A rank starts a process in its own session (`start_new_session=True`)",
 }
 KNOWN_PROBLEMS = {  # a failure's text → what it means (engine bugs found by these tests)
     "gloo": "**Root cause misattributed (engine bug).** When a rank dies (signal or `os._exit`) "

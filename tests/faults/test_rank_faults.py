@@ -13,7 +13,10 @@ Each fault on rank 0 and on rank 1, before the function's first collective and a
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -218,3 +221,31 @@ def test_root_cause_is_the_crash_not_its_echo(tmp_path: Path, helper_pid: int,
             wrong.append(f"{fault} on rank {rank} -> {first_line[:90]!r}"
                          + ("" if named in str(error) else f" (and {named!r} is nowhere in the message)"))
     assert not wrong, f"{len(wrong)}/10 crashes reported with the wrong root cause:\n" + "\n".join(wrong)
+
+
+FUNCTION_HANDLER_VS_WAKE = """
+import os, signal, threading, time
+from accelnb.worker.main import _flush_before_dying_of_sigterm
+
+handled = threading.Event()
+woken = []
+# The worker, idle between calls, is woken to leave; the function's handler must run first.
+_flush_before_dying_of_sigterm(wake=lambda: woken.append(handled.wait(5)))
+signal.signal(signal.SIGTERM, lambda *_: handled.set())  # the function's own handler
+os.kill(os.getpid(), signal.SIGTERM)
+deadline = time.monotonic() + 15
+while not woken and time.monotonic() < deadline:
+    time.sleep(0.01)  # the main thread runs Python, where a pending handler runs
+print("handler ran before the wake-up:", woken)
+"""
+
+
+def test_a_functions_sigterm_handler_is_pending_before_the_worker_is_woken() -> None:
+    """The worker's SIGTERM thread wakes an idle worker so that it leaves; were the wake-up sent
+    before the signal, the worker could reach os._exit before the handler ever ran. Here the
+    wake-up waits (5 s at most) for the handler: it can only see it run if the signal came first."""
+    root = str(Path(__file__).resolve().parents[2])
+    done = subprocess.run([sys.executable, "-c", FUNCTION_HANDLER_VS_WAKE], capture_output=True, text=True,
+                          timeout=120, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert done.returncode == 0, done.stderr
+    assert "handler ran before the wake-up: [True]" in done.stdout, done.stdout + done.stderr

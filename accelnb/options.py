@@ -1,0 +1,293 @@
+"""One description of a launch's options: each option's default, check, help and magic flag.
+
+Every entry point builds a :class:`LaunchOptions` and nothing else reads options:
+
+    >>> from accelnb.options import LaunchOptions, START_OPTIONS
+    >>> LaunchOptions(num_processes=2, timeout=30).output
+    'rank0'
+    >>> LaunchOptions().with_keywords({"gpu": "0"}, accepted=START_OPTIONS, caller="Session.start()")
+    Traceback (most recent call last):
+      ...
+    accelnb.errors.LaunchConfigError: Session.start() got an unknown option 'gpu'; did you mean 'gpus'? ...
+
+- ``notebook_launcher``, ``launch``, ``plan``, ``Session.start`` and ``Session.run`` turn their
+  keywords into one (:meth:`LaunchOptions.with_keywords`: unknown names are refused with a
+  suggestion, before anything starts);
+- ``%%distributed`` and ``%distributed start`` generate their argparse grammars from the field
+  metadata below (flag, choices, help), so the magic cannot drift from the API;
+- :mod:`accelnb.launcher` hands the planner plain values from it. ``accelnb.kernel`` may not
+  import this top-level module (``tests/test_layout.py``), and a planner that takes explicit
+  values stays pure and callable without this object.
+
+Each option has a *scope*: ``"start"`` options place the ranks and are fixed when workers start
+(a session keeps them), ``"call"`` options apply to each run (``Session.run`` takes only those).
+
+Adding an option (``gpus_per_rank``, ``config_file``, ``nodes``, ``max_restarts``, ``log_dir``)
+is one field here, with its ``option(...)`` metadata, plus its line in the keyword dictionary of
+its scope below (a test fails if the two disagree), plus its use. Every entry point, its
+signature, its docstring and the magic's flag follow from that.
+
+Why ``**options: Unpack[...]`` rather than explicit keywords: written out, the 13 keywords were
+repeated in four signatures and four docstrings that drifted (the magic lacked ``fp8``). With
+PEP 692 a type checker and an editor (mypy, Pylance in VS Code) still see every keyword with its
+type, misspellings included, and :func:`documents_options` gives each function an
+``inspect.signature`` and a "Keyword Args" docstring section generated from these fields, which
+is what Jupyter's Shift-Tab, ``?`` and ``help()`` show. The price is the ``TypedDict`` lines below,
+a second spelling of the names and types that a test keeps identical to the dataclass.
+"""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import textwrap
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from dataclasses import Field, dataclass, field, fields, replace
+from typing import Any, Literal, TypedDict, TypeVar, get_args
+
+from accelnb.errors import LaunchConfigError
+from accelnb.kernel.inventory import Inventory
+from accelnb.kernel.planning import GpuSpec
+from accelnb.kernel.ports import check_port
+from accelnb.kernel.runs import OutputMode
+
+Scope = Literal["start", "call"]
+CollectMode = Literal["rank0", "all"]
+
+KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
+MIXED_PRECISION_MODES = ("no", "fp16", "bf16", "fp8")
+OUTPUT_MODES: tuple[str, ...] = get_args(OutputMode)
+COLLECT_MODES: tuple[str, ...] = get_args(CollectMode)
+
+_INFO = "accelnb.option"
+
+
+@dataclass(frozen=True)
+class OptionInfo:
+    """What the API, the docs and the magic need to know about one option."""
+
+    help: str  # written with API spellings (``num_processes=N``); the magic rewords it
+    scope: Scope
+    flag: str | None = None  # the %%distributed flag; None: not settable from the magic
+    choices: tuple[str, ...] | None = None
+    parse: Callable[[str], Any] | None = None  # how the magic reads the flag's text; None: as is
+    metavar: str | None = None  # the flag's value in the magic's help
+    check: Callable[[str, Any], None] | None = None  # raises LaunchConfigError for a bad value
+    fix: str = ""  # what to do instead, added to a bad-choice error
+
+
+def option(help: str, scope: Scope, **details: Any) -> dict[str, OptionInfo]:
+    """The ``metadata=`` of a :class:`LaunchOptions` field."""
+    return {_INFO: OptionInfo(help, scope, **details)}
+
+
+# ── checks of single values (choices are checked generically) ──────────────────────────────────
+def _whole_number_at_least_one(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LaunchConfigError(f"{name} must be an integer, got {value!r}.")
+    if value < 1:
+        raise LaunchConfigError(f"{name} must be at least 1, got {value}.")
+
+
+def _positive_seconds(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise LaunchConfigError(f"{name} must be a positive number of seconds, got {value!r}.")
+
+
+def _gpu_selection(name: str, value: Any) -> None:
+    parts = value if isinstance(value, Sequence) and not isinstance(value, str) else [value]
+    if not all(isinstance(p, (int, str)) and not isinstance(p, bool) for p in parts):
+        raise LaunchConfigError(f"{name}={value!r} is not a GPU selection; use e.g. {name}=\"0,1\", "
+                                f"{name}=[0, 1], {name}=\"all\" or GPU UUIDs.")
+
+
+def _port(name: str, value: Any) -> None:
+    check_port(value)
+
+
+def _inventory(name: str, value: Any) -> None:
+    if not isinstance(value, Inventory):
+        raise LaunchConfigError(f"{name} must be an accelnb Inventory (read_inventory() or "
+                                f"synthetic_inventory(n)), got {type(value).__name__}.")
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Everything that describes a launch besides the function and its arguments.
+
+    Built by every entry point; checked here, value by value, when it is built. What needs the
+    GPU inventory (does GPU 5 exist?) is checked by the planner.
+    """
+
+    # ── start: where the ranks run; a session keeps these ──────────────────────────────────
+    gpus: GpuSpec = field(default=None, metadata=option(
+        'GPUs as nvidia-smi numbers them ("0,1,3", "all") or their UUIDs; in code a list works '
+        "too. Default: the picker's selection, else every visible GPU.",
+        "start", flag="--gpus", metavar="IDS", check=_gpu_selection))
+    num_processes: int | None = field(default=None, metadata=option(
+        "number of ranks: CPU ranks (gloo) where there is no GPU, else the first N GPUs.",
+        "start", flag="--procs", parse=int, metavar="N", check=_whole_number_at_least_one))
+    cpu: bool = field(default=False, metadata=option(
+        "run num_processes=N CPU ranks even where there are GPUs.", "start", flag="--cpu"))
+    backend: str | None = field(default=None, metadata=option(
+        "process-group backend; default nccl on GPUs, gloo on CPU.",
+        "start", flag="--backend", choices=KNOWN_BACKENDS,
+        fix="nccl for GPUs, gloo for CPU, or leave it unset to choose automatically"))
+    master_port: int | None = field(default=None, metadata=option(
+        "rendezvous port on 127.0.0.1; default a free one.",
+        "start", flag="--port", parse=int, metavar="PORT", check=_port))
+    mixed_precision: str | None = field(default=None, metadata=option(
+        "mixed precision that Accelerator() sees in every rank.",
+        "start", flag="--mixed-precision", choices=MIXED_PRECISION_MODES))
+    quiet: bool = field(default=False, metadata=option(
+        "do not print the rank → device table at start.", "start", flag="--quiet"))
+    inventory: Inventory | None = field(default=None, repr=False, metadata=option(
+        "the GPUs to plan on; default read from NVML (tests and demos pass synthetic_inventory(8)).",
+        "start", check=_inventory))
+
+    # ── call: each run ─────────────────────────────────────────────────────────────────────
+    timeout: float | None = field(default=None, metadata=option(
+        "seconds; on expiry every rank's Python stack is shown, then all are stopped.",
+        "call", flag="--timeout", parse=float, metavar="SECONDS", check=_positive_seconds))
+    output: OutputMode = field(default="rank0", metadata=option(
+        '"rank0" streams rank 0 live, "all" every rank with [rank N] prefixes, "none" nothing '
+        "(the output of failed ranks is still shown).",
+        "call", flag="--output", choices=OUTPUT_MODES))
+    collect: CollectMode = field(default="all", metadata=option(
+        '"all" brings back every rank\'s return value, "rank0" only rank 0\'s (the others are '
+        "not pickled).", "call", choices=COLLECT_MODES))
+
+    def __post_init__(self) -> None:
+        for each, info in described_fields():
+            _check_value(each, info, getattr(self, each.name))
+        if self.cpu and self.gpus is not None:
+            raise LaunchConfigError("cpu=True runs CPU ranks; do not also pass gpus=.")
+        if self.cpu and self.num_processes is None:
+            raise LaunchConfigError("cpu=True needs num_processes=N (how many CPU ranks to run).")
+
+    def with_keywords(self, keywords: Mapping[str, Any], *, accepted: Collection[str],
+                      caller: str) -> LaunchOptions:
+        """These options with ``keywords`` applied; refuses names that ``caller`` does not take."""
+        for name in keywords:
+            if name not in accepted:
+                raise LaunchConfigError(_refusal(name, accepted, caller))
+        return replace(self, **keywords)
+
+
+def described_fields() -> Iterator[tuple[Field[Any], OptionInfo]]:
+    """Every option with its description, in declaration order."""
+    for each in fields(LaunchOptions):
+        yield each, each.metadata[_INFO]
+
+
+def names_in_scope(scope: Scope) -> frozenset[str]:
+    return frozenset(each.name for each, info in described_fields() if info.scope == scope)
+
+
+def _check_value(each: Field[Any], info: OptionInfo, value: Any) -> None:
+    if value is None and each.default is None:
+        return  # unset
+    if isinstance(each.default, bool) and not isinstance(value, bool):
+        raise LaunchConfigError(f"{each.name} must be True or False, got {value!r}.")
+    if info.choices is not None and value not in info.choices:
+        fix = f" ({info.fix})" if info.fix else ""
+        raise LaunchConfigError(f"{each.name}={value!r} must be {_either(info.choices)}{fix}.")
+    if info.check is not None:
+        info.check(each.name, value)
+
+
+def _either(choices: Collection[str]) -> str:
+    quoted = [repr(c) for c in choices]
+    return quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+
+
+_SCOPE_MEANING = {
+    "start": "it places the ranks, so it is fixed when the workers start (pass it to "
+             "Session.start, or %distributed start/restart)",
+    "call": "it applies to each call (pass it to Session.run, or to the %%distributed cell)",
+}
+
+
+def _refusal(name: str, accepted: Collection[str], caller: str) -> str:
+    known = {each.name: info for each, info in described_fields()}
+    if name in known:
+        return f"{caller} does not take {name}=: {_SCOPE_MEANING[known[name].scope]}."
+    close = difflib.get_close_matches(name, list(accepted), n=1)
+    suggestion = f"; did you mean {close[0]!r}?" if close else "."
+    return (f"{caller} got an unknown option {name!r}{suggestion} "
+            f"Its options are: {', '.join(sorted(accepted))}.")
+
+
+# ── the keywords each entry point takes, for type checkers and editors (PEP 692) ────────────────
+# A second spelling of the fields above: tests/test_options.py keeps the names and types equal.
+class _StartKeywordsExceptNumProcesses(TypedDict, total=False):
+    gpus: GpuSpec
+    cpu: bool
+    backend: str | None
+    master_port: int | None
+    mixed_precision: str | None
+    quiet: bool
+    inventory: Inventory | None
+
+
+class StartKeywords(_StartKeywordsExceptNumProcesses, total=False):
+    """``Session.start`` and ``plan``: the options that place the ranks."""
+
+    num_processes: int | None
+
+
+class CallKeywords(TypedDict, total=False):
+    """``Session.run``: the options of one call."""
+
+    timeout: float | None
+    output: OutputMode
+    collect: CollectMode
+
+
+class LaunchKeywords(_StartKeywordsExceptNumProcesses, CallKeywords, total=False):
+    """``launch`` and ``notebook_launcher``, whose third positional parameter is num_processes."""
+
+
+def keyword_names(keywords: type) -> frozenset[str]:
+    """The keys of one of the keyword dictionaries above."""
+    return frozenset(keywords.__required_keys__) | frozenset(keywords.__optional_keys__)  # type: ignore[attr-defined]
+
+
+START_OPTIONS = keyword_names(StartKeywords)
+CALL_OPTIONS = keyword_names(CallKeywords)
+ALL_OPTIONS = START_OPTIONS | CALL_OPTIONS
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def documents_options(keywords: type, defaults: LaunchOptions | None = None) -> Callable[[F], F]:
+    """Show the options a function takes through ``**options`` as if written out: keyword-only
+    parameters in its ``inspect.signature`` (Jupyter's Shift-Tab, ``?``) and a "Keyword Args"
+    section in its docstring, both generated from :class:`LaunchOptions`."""
+    names = keyword_names(keywords)
+    shown = defaults or LaunchOptions()
+
+    def decorate(function: F) -> F:
+        signature = inspect.signature(function)
+        own = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        generated = [inspect.Parameter(each.name, inspect.Parameter.KEYWORD_ONLY,
+                                       default=getattr(shown, each.name), annotation=each.type)
+                     for each, _ in described_fields() if each.name in names and each.name not in
+                     {p.name for p in own}]
+        function.__signature__ = signature.replace(parameters=own + generated)  # type: ignore[attr-defined]
+        function.__doc__ = _with_keyword_args(function.__doc__ or "", names - {p.name for p in own})
+        return function
+
+    return decorate
+
+
+def _with_keyword_args(doc: str, names: Collection[str]) -> str:
+    lines = ["Keyword Args:"] + [textwrap.fill(f"{each.name}: {info.help}", width=96, initial_indent="    ",
+                                               subsequent_indent="        ")
+                                 for each, info in described_fields() if each.name in names]
+    text = inspect.cleandoc(doc)
+    for heading in ("\nReturns:", "\nRaises:"):
+        at = text.find(heading)
+        if at >= 0:
+            return text[:at] + "\n" + "\n".join(lines) + "\n" + text[at:]
+    return text + "\n\n" + "\n".join(lines)

@@ -1,0 +1,181 @@
+"""One description of a launch's options: checked once, refused by name, the same everywhere.
+
+Bad options must fail before anything starts, so the tests that go through the launcher assert
+that no worker exists afterwards (``no_leftovers`` and ``worker_processes()``), not only that an
+exception came.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import typing
+from collections.abc import Callable
+from dataclasses import fields
+from typing import Any
+
+import pytest
+
+import accelnb
+from accelnb import LaunchConfigError, Session, launch, notebook_launcher, synthetic_inventory
+from accelnb.kernel.worker_specs import threads_per_rank
+from accelnb.options import (
+    ALL_OPTIONS,
+    CALL_OPTIONS,
+    MIXED_PRECISION_MODES,
+    START_OPTIONS,
+    CallKeywords,
+    LaunchKeywords,
+    LaunchOptions,
+    StartKeywords,
+    described_fields,
+    keyword_names,
+    names_in_scope,
+)
+from tests.conftest import worker_processes
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+def rank_and_threads() -> tuple[int, int, str]:
+    import torch
+    import torch.distributed as dist
+
+    return dist.get_rank(), torch.get_num_threads(), os.environ["OMP_NUM_THREADS"]
+
+
+# ── each value is checked when the options are built ────────────────────────────────────────
+@pytest.mark.parametrize(("given", "message"), [
+    ({"num_processes": 0}, "num_processes must be at least 1, got 0."),
+    ({"num_processes": "2"}, "num_processes must be an integer, got '2'."),
+    ({"num_processes": True}, "num_processes must be an integer, got True."),
+    ({"timeout": 0}, "timeout must be a positive number of seconds, got 0."),
+    ({"timeout": float("nan")}, "timeout must be a positive number of seconds, got nan."),
+    ({"timeout": "5"}, "timeout must be a positive number of seconds, got '5'."),
+    ({"output": "everything"}, "output='everything' must be 'rank0', 'all' or 'none'."),
+    ({"collect": "some"}, "collect='some' must be 'rank0' or 'all'."),
+    ({"mixed_precision": "fp32"}, "mixed_precision='fp32' must be 'no', 'fp16', 'bf16' or 'fp8'."),
+    ({"backend": "ncl"}, "backend='ncl' must be 'gloo', 'nccl', 'mpi', 'ucc', 'xccl' or 'hccl' "
+                         "(nccl for GPUs, gloo for CPU, or leave it unset to choose automatically)."),
+    ({"master_port": 0}, "master_port must be a port number from 1 to 65535, got 0."),
+    ({"master_port": 65536}, "master_port must be a port number from 1 to 65535, got 65536."),
+    ({"master_port": "29500"}, "master_port must be a port number from 1 to 65535, got '29500'."),
+    ({"gpus": True}, "gpus=True is not a GPU selection"),
+    ({"gpus": [0, 1.5]}, "gpus=[0, 1.5] is not a GPU selection"),
+    ({"cpu": "yes"}, "cpu must be True or False, got 'yes'."),
+    ({"quiet": 1}, "quiet must be True or False, got 1."),
+    ({"inventory": "8 GPUs"}, "inventory must be an accelnb Inventory"),
+    ({"cpu": True, "gpus": "0"}, "cpu=True runs CPU ranks; do not also pass gpus=."),
+    ({"cpu": True}, "cpu=True needs num_processes=N"),
+])
+def test_a_bad_value_is_refused_when_the_options_are_built(given: dict[str, Any], message: str) -> None:
+    with pytest.raises(LaunchConfigError) as refused:
+        LaunchOptions(**given)
+    assert message in str(refused.value)
+
+
+def test_every_mixed_precision_mode_of_accelerate_is_accepted_fp8_included() -> None:
+    assert "fp8" in MIXED_PRECISION_MODES
+    for mode in MIXED_PRECISION_MODES:
+        assert LaunchOptions(mixed_precision=mode).mixed_precision == mode
+
+
+ENTRY_POINTS: dict[str, Callable[..., Any]] = {
+    "notebook_launcher()": lambda **kw: notebook_launcher(print, num_processes=2, **kw),
+    "launch()": lambda **kw: launch(print, num_processes=2, **kw),
+    "plan()": lambda **kw: accelnb.plan(num_processes=2, inventory=synthetic_inventory(0), **kw),
+    "Session.start()": lambda **kw: Session.start(num_processes=2, **kw),
+}
+
+
+@pytest.mark.parametrize("caller", ENTRY_POINTS)
+def test_a_misspelt_option_is_refused_with_a_suggestion_before_anything_starts(caller: str) -> None:
+    with pytest.raises(LaunchConfigError) as refused:
+        ENTRY_POINTS[caller](gpu="0")
+    assert str(refused.value).startswith(f"{caller} got an unknown option 'gpu'; did you mean 'gpus'?")
+    assert worker_processes() == []
+
+
+@pytest.mark.parametrize("caller", ENTRY_POINTS)
+def test_a_bad_value_fails_before_anything_starts(caller: str) -> None:
+    with pytest.raises(LaunchConfigError, match="master_port must be a port number from 1 to 65535, got 0"):
+        ENTRY_POINTS[caller](master_port=0)
+    assert worker_processes() == []
+
+
+def test_an_option_of_the_wrong_scope_says_where_it_belongs() -> None:
+    with pytest.raises(LaunchConfigError, match=r"^Session.start\(\) does not take timeout=: it applies to "
+                                                r"each call \(pass it to Session.run"):
+        Session.start(num_processes=2, timeout=5)  # type: ignore[call-arg]
+    assert worker_processes() == []
+    with Session.start(num_processes=2, quiet=True) as session:
+        with pytest.raises(LaunchConfigError, match=r"^Session.run\(\) does not take gpus=: it places the "
+                                                    r"ranks, so it is fixed when the workers start"):
+            session.run(os.getpid, gpus="0")  # type: ignore[call-arg]
+        assert session.alive  # a refused call leaves the session as it was
+        assert sorted(session.run(os.getpid).values) == [0, 1]
+
+
+# ── one description: the keyword dictionaries, signatures and docs follow the dataclass ────
+def test_the_keyword_dictionaries_spell_the_dataclass_fields_with_the_same_types() -> None:
+    declared = {each.name: each.type for each in fields(LaunchOptions)}
+    for keywords in (StartKeywords, CallKeywords, LaunchKeywords):
+        hints = {name: ref.__forward_arg__ if isinstance(ref, typing.ForwardRef) else ref
+                 for name, ref in keywords.__annotations__.items()}
+        assert hints == {name: declared[name] for name in keyword_names(keywords)}, keywords.__name__
+    assert names_in_scope("start") == START_OPTIONS and names_in_scope("call") == CALL_OPTIONS
+    assert set(declared) == ALL_OPTIONS
+    assert keyword_names(LaunchKeywords) == ALL_OPTIONS - {"num_processes"}  # positional there
+
+
+@pytest.mark.parametrize(("function", "names", "collect"), [
+    (notebook_launcher, ALL_OPTIONS, "rank0"),  # its value is rank 0's: the others stay on the ranks
+    (launch, ALL_OPTIONS, "all"),
+    (accelnb.plan, START_OPTIONS, None),
+    (Session.start, START_OPTIONS, None),
+    (Session.run, CALL_OPTIONS, "all"),
+])
+def test_signatures_and_docstrings_list_every_option_they_take(function: Callable[..., Any], names: set[str],
+                                                               collect: str | None) -> None:
+    parameters = inspect.signature(function).parameters
+    assert names <= set(parameters) and not any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    defaults = LaunchOptions()
+    for name in names - {"collect"}:
+        assert parameters[name].default == getattr(defaults, name), name
+    if collect is not None:
+        assert parameters["collect"].default == collect
+    doc = inspect.getdoc(function) or ""
+    keyword_args = doc.split("Keyword Args:")[1]
+    for each, info in described_fields():
+        if each.name == "num_processes" and function in (notebook_launcher, launch):
+            assert "num_processes" in doc.split("Keyword Args:")[0]  # under Args: a positional parameter there
+        elif each.name in names:
+            assert f"\n    {each.name}: {info.help.split()[0]}" in keyword_args, each.name
+
+
+# ── the kernel's environment is read with the options, before anything starts ──────────────
+def test_omp_num_threads_with_nested_levels_gives_each_rank_the_first_level(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "3,2")  # legal OpenMP: 3 threads, 2 in nested regions
+    assert threads_per_rank(2) == 3
+    values = launch(rank_and_threads, num_processes=2, quiet=True).values
+    assert values == {0: (0, 3, "3,2"), 1: (1, 3, "3,2")}
+
+
+@pytest.mark.parametrize("garbage", ["abc", "0", "-2", ",4"])
+def test_a_garbage_omp_num_threads_is_a_clear_error_before_anything_starts(
+        garbage: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", garbage)
+    for start in (lambda: launch(rank_and_threads, num_processes=2, quiet=True),
+                  lambda: Session.start(num_processes=2, quiet=True)):
+        with pytest.raises(LaunchConfigError) as refused:
+            start()
+        message = str(refused.value)
+        assert message.startswith(f"OMP_NUM_THREADS={garbage!r} in the kernel's environment is not a thread count")
+        assert '"4,2"' in message and "del os.environ['OMP_NUM_THREADS']" in message
+        assert worker_processes() == []
+
+
+def test_without_omp_num_threads_the_cores_are_shared(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads_per_rank(1) == max(1, os.cpu_count() or 1)
+    assert threads_per_rank(4 * (os.cpu_count() or 1)) == 1

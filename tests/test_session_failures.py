@@ -1,0 +1,248 @@
+"""What a persistent session does when a call goes wrong, with real workers and real gloo.
+
+- an exception on every rank: the cell fails, the session (and what the ranks hold) goes on;
+- a rank dies: the session is closed and no process is left;
+- an interrupt: the cell stops on every rank, the session and its variables are kept;
+- ``timeout=``: every rank's stack is shown, and the session is closed;
+- ``collect="all"``: every rank's value comes back through the session too;
+- accelnb's helper process dies, between calls or within one: the call raises ``HelperDied``
+  within 2 s, no worker is left, and the session reports itself closed.
+
+Ranks keep state between calls in a module attribute (``sys._accelnb_test_state``), as a model
+built in one ``%%distributed`` cell is kept for the next.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from accelnb import LaunchTimeout, RankCrashed, RankFailed
+from accelnb.errors import HelperDied, RunInterrupted
+from accelnb.kernel import run_state
+from accelnb.kernel.helper_client import running_helper_pid
+from accelnb.session import Session
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+HELPER_DEATH_BOUND_S = 2.0
+
+
+def remember(value: int) -> int:
+    import sys
+
+    import torch.distributed as dist
+
+    sys._accelnb_test_state = value * 10 + dist.get_rank()  # type: ignore[attr-defined]
+    return os.getpid()
+
+
+def recall() -> int:
+    import sys
+
+    return int(sys._accelnb_test_state)  # type: ignore[attr-defined]
+
+
+def fail_everywhere() -> None:
+    import torch.distributed as dist
+
+    raise ValueError(f"bad input on rank {dist.get_rank()}")
+
+
+def rank_1_exits() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        os._exit(3)
+    dist.barrier()
+
+
+def hang_in_collective() -> None:
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        time.sleep(600)
+    dist.barrier()
+
+
+def say_inside_then_sleep(fifo: str) -> None:
+    import time
+
+    with open(fifo, "wb") as inside:  # the test reads one byte per rank: every rank runs the cell
+        inside.write(b"!")
+    time.sleep(600)
+
+
+def sleep_long() -> None:
+    import time
+
+    time.sleep(600)
+
+
+@pytest.fixture
+def session() -> Iterator[Session]:
+    started = Session.start(num_processes=2, cpu=True, quiet=True)
+    try:
+        yield started
+    finally:
+        started.stop()
+
+
+def gone(pids: list[int]) -> bool:
+    for pid in pids:
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return False
+        except psutil.NoSuchProcess:
+            pass
+    return True
+
+
+def worker_pids(session: Session) -> list[int]:
+    pids = session.run(remember, (1,)).values
+    return [pids[0], pids[1]]
+
+
+def test_an_exception_on_every_rank_keeps_the_session_and_its_state(session: Session) -> None:
+    pids = worker_pids(session)
+    with pytest.raises(ValueError, match="bad input on rank") as raised:
+        session.run(fail_everywhere)
+    assert isinstance(raised.value, RankFailed)
+    assert "The persistent session was closed" not in str(raised.value)
+    assert session.alive
+    assert session.run(recall).values == {0: 10, 1: 11}
+    assert session.run(os.getpid).values == {0: pids[0], 1: pids[1]}  # the same processes
+
+
+def test_a_rank_that_dies_closes_the_session_and_leaves_no_process(session: Session) -> None:
+    pids = worker_pids(session)
+    with pytest.raises(RankCrashed, match="Rank 1 failed: exited with code 3") as raised:
+        session.run(rank_1_exits)
+    assert "The persistent session was closed" in str(raised.value)
+    assert not session.alive
+    assert gone(pids)
+    with pytest.raises(Exception, match="This session has ended"):
+        session.run(recall)
+
+
+def test_an_interrupt_stops_the_cell_on_every_rank_and_keeps_the_variables(session: Session,
+                                                                            tmp_path: Path) -> None:
+    pids = worker_pids(session)
+    fifo = tmp_path / "inside"
+    os.mkfifo(fifo)
+    every_rank_inside = threading.Event()
+
+    def read_both_ranks() -> None:
+        with open(fifo, "rb") as inside:
+            received = b""
+            while len(received) < 2:
+                received += inside.read(2 - len(received)) or b""
+        every_rank_inside.set()
+
+    reader = threading.Thread(target=read_both_ranks, daemon=True)
+    reader.start()
+    interrupted: list[float] = []
+
+    def ctrl_c_once_every_rank_runs_the_cell() -> None:  # runs inside the session's wait for answers
+        if every_rank_inside.is_set() and not interrupted:
+            interrupted.append(time.monotonic())
+            os.kill(os.getpid(), signal.SIGINT)
+
+    remove_hook = run_state.add_wait_hook(ctrl_c_once_every_rank_runs_the_cell)
+    try:
+        with pytest.raises(RunInterrupted, match="interrupted the cell on every rank; the session and its "
+                                                 "variables are kept"):
+            session.run(say_inside_then_sleep, (str(fifo),))
+    finally:
+        remove_hook()
+    reader.join()
+    assert time.monotonic() - interrupted[0] < 3.0
+    assert session.alive
+    assert session.run(recall).values == {0: 10, 1: 11}
+    assert session.run(os.getpid).values == {0: pids[0], 1: pids[1]}
+
+
+def test_a_timeout_shows_the_stacks_and_closes_the_session(session: Session) -> None:
+    pids = worker_pids(session)
+    with pytest.raises(LaunchTimeout) as raised:
+        session.run(hang_in_collective, timeout=2)
+    message = str(raised.value)
+    assert "── rank 0 ──" in message and "── rank 1 ──" in message
+    assert "in hang_in_collective" in message
+    assert not session.alive
+    assert gone(pids)
+
+
+def test_collect_all_and_collect_rank0_through_a_session(session: Session) -> None:
+    def rank_squared() -> int:
+        import torch.distributed as dist
+
+        return dist.get_rank() ** 2 + 1
+
+    assert session.run(rank_squared, collect="all").values == {0: 1, 1: 2}
+    assert session.run(rank_squared, collect="rank0").values == {0: 1}
+
+
+def _kill_helper_and_time_the_raise(session: Session, trigger: Callable[[Callable[[], None]], None],
+                                    function: Callable[[], object]) -> tuple[HelperDied, float, int]:
+    helper_pid = running_helper_pid()
+    assert helper_pid is not None
+    killed_at: list[float] = []
+
+    def kill() -> None:
+        killed_at.append(time.monotonic())
+        os.kill(helper_pid, signal.SIGKILL)
+
+    trigger(kill)
+    with pytest.raises(HelperDied) as raised:
+        session.run(function)
+    return raised.value, time.monotonic() - killed_at[0], helper_pid
+
+
+def test_the_helper_killed_between_calls_closes_the_session(session: Session) -> None:
+    pids = worker_pids(session)
+
+    def now_and_until_it_is_dead(kill: Callable[[], None]) -> None:
+        helper_pid = running_helper_pid()
+        assert helper_pid is not None
+        kill()
+        os.waitid(os.P_PID, helper_pid, os.WEXITED | os.WNOWAIT)  # dead, and left for its owner to reap
+
+    error, seconds, helper_pid = _kill_helper_and_time_the_raise(session, now_and_until_it_is_dead, recall)
+    assert seconds < HELPER_DEATH_BOUND_S
+    assert f"accelnb's helper process (pid {helper_pid}" in str(error) and "SIGKILL" in str(error)
+    assert "The persistent session was closed" in str(error)
+    assert not session.alive
+    assert gone(pids)
+
+
+def test_the_helper_killed_within_a_call_closes_the_session(session: Session) -> None:
+    pids = worker_pids(session)
+
+    def once_the_call_waits(kill: Callable[[], None]) -> None:
+        def hook() -> None:
+            remove()
+            kill()
+
+        remove = run_state.add_wait_hook(hook)
+
+    error, seconds, helper_pid = _kill_helper_and_time_the_raise(session, once_the_call_waits, sleep_long)
+    assert seconds < HELPER_DEATH_BOUND_S
+    assert f"accelnb's helper process (pid {helper_pid}" in str(error) and "SIGKILL" in str(error)
+    assert not session.alive
+    assert gone(pids)
+    fresh = Session.start(num_processes=2, cpu=True, quiet=True)
+    try:
+        assert fresh.run(remember, (2,)).values.keys() == {0, 1}
+        assert running_helper_pid() not in (None, helper_pid)
+    finally:
+        fresh.stop()
