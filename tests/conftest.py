@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -13,6 +14,13 @@ import psutil
 import pytest
 
 from accelnb.kernel.helper_client import running_helper_pid
+
+# The interrupt tests press Ctrl-C by sending SIGINT to this process, as Jupyter's stop button
+# does to a kernel (which always has Python's handler). A test run started in the background by
+# a non-interactive shell (`make test &`, a CI runner) inherits SIGINT *ignored*, and Python then
+# never installs the handler that raises KeyboardInterrupt: put it back, so every way of running
+# the suite tests the same thing.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def worker_processes() -> list[psutil.Process]:
