@@ -8,8 +8,9 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
    ``sys.path``; arms faulthandler (segfault tracebacks, SIGUSR1 stack dumps for timeouts);
 2. sets its CUDA device and joins the default process group, rendezvousing through a TCPStore
    whose listening socket the launcher already bound on 127.0.0.1 (rank 0 inherits it, so the
-   port cannot be stolen and nothing listens beyond loopback). If set-up fails, the rank
-   reports the exception (a :class:`CallError` with no call) and exits;
+   port cannot be stolen and nothing listens beyond loopback), then waits until every rank has
+   joined, so that no rank's code can tear the group down under a peer still connecting. If
+   set-up fails, the rank reports the exception (a :class:`CallError` with no call) and exits;
 3. runs calls from its inbox (one for ``notebook_launcher``, many in a persistent session),
    answering each with a value or the exception, both pickled so that the kernel can load them
    without touching CUDA (``wire/result_pickling.py``), the traceback without accelnb's frames;
@@ -53,6 +54,9 @@ SIGTERM_FLUSH_LIMIT_S = 1.0
 # Rendezvous, and the default timeout of every collective: a rank waiting longer than this in a
 # barrier or all_reduce raises instead of hanging.
 PROCESS_GROUP_TIMEOUT_S = 300.0
+# Keys of the join barrier in the launch's TCPStore (torch's own keys carry a "default_pg/" prefix).
+_JOINED_KEY = "accelnb/joined"
+_ALL_JOINED_KEY = "accelnb/all-joined"
 
 
 def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int | None) -> int:
@@ -174,6 +178,23 @@ def _join_process_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist
     if device_id is not None and spec.backend == "nccl":
         kwargs["device_id"] = device_id
     dist.init_process_group(spec.backend, **kwargs)
+    _wait_until_every_rank_joined(store, spec.world_size)
+
+
+def _wait_until_every_rank_joined(store: Any, world_size: int) -> None:
+    """Return only once every rank's ``init_process_group`` has returned.
+
+    ``init_process_group`` can return on one rank while a peer is still finishing its side of the
+    connections (gloo's ``connectFullMesh``): this rank is connected, the peer still reads the
+    handshake. A function that tears the group down at once (Accelerate's ``end_training()``
+    calls ``destroy_process_group()``) then closes the socket under the peer, whose set-up fails
+    with "Connection closed by peer" (seen in about 1 launch in 70 under CPU load). So no rank
+    runs user code before all have joined. A store counter, not ``dist.barrier()``: no collective
+    on the device (NCCL would allocate), and not torch's ``TORCH_DIST_INIT_BARRIER``, which polls.
+    """
+    if store.add(_JOINED_KEY, 1) == world_size:
+        store.set(_ALL_JOINED_KEY, b"1")
+    store.wait([_ALL_JOINED_KEY])
 
 
 def _describe_error(rank: int, call_id: int | None, error: BaseException) -> CallError:
