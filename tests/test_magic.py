@@ -16,10 +16,11 @@ import pytest
 from IPython.core.error import UsageError
 
 from accelnb import launch, synthetic_inventory
-from accelnb.notebook.magic import magic_wording, parse_cell_line, parse_start_options
+from accelnb.notebook.magic import CellReturns, magic_wording, parse_cell_line, parse_start_options
 from accelnb.options import described_fields
 from accelnb.wire.result_pickling import loads_in_kernel
 from accelnb.worker.cell_runner import CellRequest, run_cell
+from accelnb.worker.return_budget import DEFAULT_RETURN_LIMIT
 from tests.conftest import error_of, run_notebook, stream_text
 
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -180,10 +181,11 @@ def test_the_cell_grammar_has_every_flag_the_options_describe_and_fills_them_in(
     assert set(flagged) == set(SAMPLES)
     for name, flag in flagged.items():
         text, value = SAMPLES[name]
-        given, returned = parse_cell_line(f"{flag} {text}" if text is not None else flag)
-        assert given == {name: value} and returned is None
-    given, returned = parse_cell_line("--procs 2 --return a,b")
-    assert given == {"num_processes": 2} and returned == ["a", "b"]
+        given, returns = parse_cell_line(f"{flag} {text}" if text is not None else flag)
+        assert given == {name: value} and returns == CellReturns(None, DEFAULT_RETURN_LIMIT)
+    given, returns = parse_cell_line("--procs 2 --return a,b --return-limit 1GB")
+    assert given == {"num_processes": 2} and returns == CellReturns(["a", "b"], 10**9)
+    assert parse_cell_line("--return-limit none")[1].limit is None
 
 
 def test_start_takes_only_the_options_that_place_ranks() -> None:

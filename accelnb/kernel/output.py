@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from accelnb.kernel.byte_sizes import human_bytes
+
 Stream = Literal["stdout", "stderr"]
 Sink = Callable[[Stream, str], None]
 
@@ -198,20 +200,10 @@ def _describe_skipped(lines: int, whole_bytes: int, unfinished_bytes: int) -> st
     """ "1,204 lines (80.3 KB)", "5.2 MB of a line", or both: what a notice says was left out."""
     parts = []
     if lines:
-        parts.append(f"{lines:,} line{'s' if lines != 1 else ''} ({_size(whole_bytes)})")
+        parts.append(f"{lines:,} line{'s' if lines != 1 else ''} ({human_bytes(whole_bytes)})")
     if unfinished_bytes:
-        parts.append(f"{_size(unfinished_bytes)} of {'the next' if lines else 'a'} line")
+        parts.append(f"{human_bytes(unfinished_bytes)} of {'the next' if lines else 'a'} line")
     return " and ".join(parts)
-
-
-def _size(count: int) -> str:
-    """Bytes as people read them: 512 bytes, 80.3 KB, 5.2 MB (decimal units, as Jupyter's limits)."""
-    if count < 1000:
-        return f"{count:,} byte{'s' if count != 1 else ''}"
-    for unit, scale in (("KB", 1e3), ("MB", 1e6)):
-        if count < scale * 1000:
-            return f"{count / scale:.1f} {unit}"
-    return f"{count / 1e9:.1f} GB"
 
 
 def _prefix_lines(text: str, prefix: str, at_line_start: bool) -> str:

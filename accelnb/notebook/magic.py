@@ -28,6 +28,7 @@ import inspect
 import types
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -35,6 +36,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from accelnb.errors import LaunchConfigError, UnpicklableError
+from accelnb.kernel.byte_sizes import human_bytes, parse_byte_size
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.payload import check_picklable
 from accelnb.launcher import launch_with, plan_launch
@@ -43,6 +45,7 @@ from accelnb.session import Session
 from accelnb.wire.result_pickling import loads_in_kernel
 from accelnb.worker.cell_analysis import assigned_names, used_names
 from accelnb.worker.cell_runner import CellOutcome, CellRequest, run_cell
+from accelnb.worker.return_budget import DEFAULT_RETURN_LIMIT
 
 RANK_NAMES = ("rank", "local_rank", "world_size", "device")
 # IPython's own bookkeeping names; never worth shipping.
@@ -86,22 +89,26 @@ def _option_parser(prog: str, description: str, scopes: tuple[Scope, ...]) -> Ma
 # IPython's help formatter adds one "%" to each prog.
 CELL_GRAMMAR = _option_parser("%distributed", "Run this cell on every rank.", ("start", "call"))
 CELL_GRAMMAR.add_argument("--return", dest="return_names", default=None, metavar="NAMES",
-                          help='names to bring back from rank 0, comma-separated, or "none" '
-                               "(default: every name the cell assigns)")
+                          help='names to bring back from rank 0, comma-separated, whatever their size, '
+                               'or "none" (default: every name the cell assigns, within --return-limit)')
+CELL_GRAMMAR.add_argument("--return-limit", dest="return_limit", default=None, metavar="SIZE",
+                          help="how much the assigned names may weigh together when they come back "
+                               f"(default {human_bytes(DEFAULT_RETURN_LIMIT)}; e.g. 1GB, 512MiB, or "
+                               '"none" for no limit); past it the biggest stay on the ranks')
 START_GRAMMAR = _option_parser("distributed start",
                                "Start a persistent session (restart: stop it, then start it again "
                                "with the same options, or with these).", ("start",))
 COMMANDS = ("start", "stop", "status", "restart", "panel")
 
 
-def parse_cell_line(line: str) -> tuple[dict[str, Any], list[str] | None]:
-    """The options given on a ``%%distributed`` line, and its ``--return`` names."""
+def parse_cell_line(line: str) -> tuple[dict[str, Any], CellReturns]:
+    """The options given on a ``%%distributed`` line, and what it brings back."""
     first = line.split(maxsplit=1)[0] if line.strip() else ""
     if first and not first.startswith("-"):
         raise UsageError(f"Unexpected {first!r} on the %%distributed line: the cell form takes only "
                          f"options (--procs 2, …). Session commands are line magics: %distributed {first}.")
     given = vars(CELL_GRAMMAR.parse_argstring(line))
-    return given, _parse_return(given.pop("return_names"))
+    return given, CellReturns(_parse_return(given.pop("return_names")), _parse_return_limit(given.pop("return_limit")))
 
 
 def parse_start_options(arguments: str) -> dict[str, Any]:
@@ -144,8 +151,8 @@ class DistributedMagics(Magics):
         same options, or new ones); ``%distributed panel`` shows the GPU picker.
         """
         if cell is not None:
-            given, return_names = parse_cell_line(line)
-            return self._run_cell(given, return_names, cell, header=f"%%distributed {line}".rstrip())
+            given, returns = parse_cell_line(line)
+            return self._run_cell(given, returns, cell, header=f"%%distributed {line}".rstrip())
         command, _, arguments = line.strip().partition(" ")
         if command and command not in COMMANDS:
             where = " Options go after a command (%distributed start --procs 2) or on a %%distributed cell." \
@@ -160,8 +167,7 @@ class DistributedMagics(Magics):
         return self._bare_command(command or "status")
 
     # ── cells ───────────────────────────────────────────────────────────────────────────────
-    def _run_cell(self, given: dict[str, Any], return_names: list[str] | None, source: str,
-                  header: str) -> Any:
+    def _run_cell(self, given: dict[str, Any], returns: CellReturns, source: str, header: str) -> Any:
         in_session = self.session is not None and self.session.alive
         fixed = sorted(name for name in given if name in START_OPTIONS)
         if in_session and fixed:
@@ -173,7 +179,8 @@ class DistributedMagics(Magics):
             options = _CELL_DEFAULTS.with_keywords(given, accepted=ALL_OPTIONS, caller="%%distributed")
         # IPython has already counted this cell when magics run: the prompt shows one less.
         request = CellRequest(source=source, filename=f"<cell In[{self.shell.execution_count - 1}]>",
-                              header=header, names={}, modules={}, return_names=return_names)
+                              header=header, names={}, modules={}, return_names=returns.names,
+                              return_limit=returns.limit)
         request.names.update(self._ship(source, skip=self._names_on_ranks if in_session else set()))
         request.modules.update(self._modules(source))
         try:
@@ -187,7 +194,7 @@ class DistributedMagics(Magics):
         finally:
             if self.session is not None and not self.session.alive:
                 self.session = None
-        return self._bring_back(result)
+        return self._bring_back(result, returns, in_session)
 
     def _ship(self, source: str, skip: set[str]) -> dict[str, Any]:
         namespace = self.shell.user_ns
@@ -207,7 +214,7 @@ class DistributedMagics(Magics):
         return {name: namespace[name].__name__ for name in used_names(source)
                 if isinstance(namespace.get(name), types.ModuleType)}
 
-    def _bring_back(self, result: LaunchResult) -> Any:
+    def _bring_back(self, result: LaunchResult, returns: CellReturns, in_session: bool) -> Any:
         self.shell.user_ns["_distributed"] = result
         outcome: CellOutcome | None = result.value
         if outcome is None:
@@ -224,6 +231,7 @@ class DistributedMagics(Magics):
             notes.append("accelnb: brought back from rank 0: " + ", ".join(arrived))
         for name, why in outcome.not_returned.items():
             notes.append(f"accelnb: not brought back: {name} ({why})")
+        notes += _kept_for_size_notes(outcome.kept_for_size, returns.limit, in_session)
         if notes:
             print("\n".join(notes))
         if outcome.last_value is not None:
@@ -302,6 +310,38 @@ def _start_options(given: dict[str, Any]) -> LaunchOptions:
 def _call_keywords(options: LaunchOptions) -> dict[str, Any]:
     """The call options of ``options``, as keywords of ``Session.run``."""
     return {name: getattr(options, name) for name in CALL_OPTIONS}
+
+
+def _kept_for_size_notes(sizes: dict[str, int], limit: int | None, in_session: bool) -> list[str]:
+    """One line per name left on the ranks by the budget: its size and how to get it."""
+    if not sizes:
+        return []
+    where = ("it stays on the ranks for the next cells of this session" if in_session else
+             "a persistent session (%distributed start) would keep it on the ranks for the next cells")
+    notes = [f"accelnb: kept on the ranks, over the {human_bytes(limit or 0)} return budget "
+             "(--return-limit): " + ", ".join(f"{name} ({human_bytes(size)})" for name, size in sizes.items())]
+    for name in sizes:
+        notes.append(f"  {name}: `%%distributed --return {name}` brings it back whatever its size; {where}.")
+    return notes
+
+
+@dataclass(frozen=True)
+class CellReturns:
+    """What a ``%%distributed`` line asks to bring back: names (None: every assigned one) and a budget."""
+
+    names: list[str] | None
+    limit: int | None  # bytes; None: no budget
+
+
+def _parse_return_limit(option: str | None) -> int | None:
+    if option is None:
+        return DEFAULT_RETURN_LIMIT
+    if option.strip().lower() == "none":
+        return None
+    try:
+        return parse_byte_size(option)
+    except ValueError as error:
+        raise UsageError(f"--return-limit: {error}, or none for no limit.") from None
 
 
 def _parse_return(option: str | None) -> list[str] | None:

@@ -7,7 +7,7 @@ session keeps variables between cells), with ``rank``, ``local_rank``, ``world_s
 never re-derived here: a synthetic inventory on a GPU host plans cpu, and the cell gets cpu. The
 source is registered with ``linecache`` under the cell's own file name, so tracebacks show the
 cell's line numbers and lines. Rank 0 sends back the value of the last expression and the names
-the cell assigned (tensors on the CPU).
+the cell assigned (tensors on the CPU), within a size budget (``worker/return_budget.py``).
 
     >>> run_cell(CellRequest(source="x = rank\nx + 1", filename="<cell In[1]>",
     ...                      header="%%distributed", names={}, modules={}, return_names=None))
@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accelnb.wire.result_pickling import dumps_for_kernel
+from accelnb.worker.return_budget import DEFAULT_RETURN_LIMIT, choose_returns
 
 _namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
 # Set by the planner (accelnb.kernel.planning.DEVICE_ENV) in every rank's environment; the worker
@@ -38,7 +39,8 @@ class CellRequest:
     header: str  # the %%distributed line: line 1 of the cell as the notebook shows it
     names: dict[str, Any]  # notebook values the cell uses
     modules: dict[str, str]  # name → module to import, for notebook names that are modules
-    return_names: list[str] | None  # None: every assigned name; []: none
+    return_names: list[str] | None  # None: every assigned name, within return_limit; []: none
+    return_limit: int | None = DEFAULT_RETURN_LIMIT  # bytes; None: no budget
 
 
 @dataclass
@@ -47,6 +49,7 @@ class CellOutcome:
     last_value_repr: str | None = None  # when the value does not pickle
     returned: dict[str, bytes] = field(default_factory=dict)
     not_returned: dict[str, str] = field(default_factory=dict)  # name → why
+    kept_for_size: dict[str, int] = field(default_factory=dict)  # name → estimated bytes, over the budget
     unwrapped: list[str] = field(default_factory=list)  # DDP models sent back as their .module
 
 
@@ -82,11 +85,16 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
             outcome.last_value_repr = repr(value)
     from accelnb.worker.cell_analysis import assigned_names
 
-    wanted = assigned_names(request.source) if request.return_names is None else request.return_names
+    explicit = request.return_names is not None
+    wanted = request.return_names if request.return_names is not None else assigned_names(request.source)
     for name in wanted:
         if name not in namespace:
             outcome.not_returned[name] = "not defined on rank 0"
-            continue
+    present = [name for name in wanted if name in namespace]
+    choice = choose_returns(namespace, present, explicit=explicit, limit=request.return_limit)
+    outcome.not_returned.update(choice.kept_for_kind)
+    outcome.kept_for_size = choice.kept_for_size
+    for name in choice.send:
         value = namespace[name]
         if isinstance(value, torch.nn.parallel.DistributedDataParallel):
             # The wrapper only works inside a process group; the notebook gets the model itself.
