@@ -19,39 +19,9 @@ from accelnb import LaunchConfigError, RankCrashed, RankFailed, RunInterrupted, 
 from accelnb.kernel import run_state
 from accelnb.wire.events import MetricBatch
 from tests.conftest import worker_processes
+from tests.restart_targets import always_fails, rank_1_dies_on_the_first_attempt, sleeps_on_the_second_attempt
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
-
-
-def rank_1_dies_on_the_first_attempt() -> tuple[int, str, int]:
-    import torch
-    import torch.distributed as dist
-
-    attempt = accelnb.restart_count()
-    for step in range(3):
-        accelnb.report(step=step, loss=float(10 * attempt + step))
-    accelnb.report(step=100, last_pid=float(os.getpid()))
-    dist.barrier()  # both ranks reported before one dies
-    if dist.get_rank() == 1 and attempt == 0:
-        os._exit(1)
-    total = torch.tensor([1.0])
-    dist.all_reduce(total)
-    return attempt, os.environ["TORCHELASTIC_RESTART_COUNT"], int(total.item())
-
-
-def always_fails(where: str) -> None:
-    import torch.distributed as dist
-
-    if dist.get_rank() == 1:
-        raise ValueError(f"attempt {accelnb.restart_count()} fails at {where}")
-
-
-def sleeps_on_the_second_attempt() -> None:
-    import torch.distributed as dist
-
-    if accelnb.restart_count() == 0 and dist.get_rank() == 0:
-        raise RuntimeError("first attempt fails")
-    time.sleep(60 if accelnb.restart_count() == 1 else 0)
 
 
 def test_a_rank_that_dies_on_attempt_0_succeeds_on_attempt_1(capfd: pytest.CaptureFixture[str]) -> None:
@@ -161,7 +131,7 @@ def test_restart_delay_waits_between_attempts_and_timeout_stops_restarts_it_cann
                     restart_delay=0.5)
     assert result.attempts[1].started - result.attempts[0].ended >= 0.5
     assert time.monotonic() - started >= 0.5
-    with pytest.raises(RankCrashed, match=r"No restart was left time: timeout=30 s covers every attempt"):
+    with pytest.raises(RankCrashed, match=r"No restart: timeout=30 s, which covers every attempt"):
         launch(rank_1_dies_on_the_first_attempt, num_processes=2, quiet=True, max_restarts=1,
                restart_delay=60, timeout=30)
 

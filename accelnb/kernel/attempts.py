@@ -96,8 +96,8 @@ def _time_left(deadline: float | None) -> float | None:
 def _why_no_restart(restart_delay: float, deadline: float | None, timeout: float | None) -> str:
     """Why no attempt follows one that failed with restarts left ("" when one does)."""
     if deadline is not None and time.monotonic() + restart_delay >= deadline:
-        return (f"No restart was left time: timeout={timeout:g} s covers every attempt and the "
-                f"waits between them (restart_delay={restart_delay:g} s).")
+        return (f"No restart: timeout={timeout:g} s, which covers every attempt and the waits between "
+                f"them (restart_delay={restart_delay:g} s), would run out first.")
     return ""
 
 

@@ -78,19 +78,16 @@ class TensorBoardLog:
         """Write ``batch`` if it is rank 0's (a progress-bar update is a batch too: its records only)."""
         if batch.rank != 0 or not batch.records:
             return
-        if attempt not in self._marked_attempts:
-            self._marked_attempts.add(attempt)
-            first_step, first_time, _ = batch.records[0]
-            if first_step is not None:
-                self._writer.add_event(self._events.Event(
-                    wall_time=first_time, step=first_step,
-                    session_log=self._events.SessionLog(status=self._events.SessionLog.START)))
-        Summary = self._summaries.Summary
+        Summary, Event = self._summaries.Summary, self._events.Event
         for step, when, values in batch.records:
             position, self._reports = self._reports, self._reports + 1
+            shown_step = position if step is None else step
+            if attempt not in self._marked_attempts:  # this attempt's first report: where it (re)started
+                self._marked_attempts.add(attempt)
+                self._writer.add_event(Event(wall_time=when, step=shown_step, session_log=self._events.SessionLog(
+                    status=self._events.SessionLog.START)))
             summary = Summary(value=[Summary.Value(tag=name, simple_value=value) for name, value in values.items()])
-            self._writer.add_event(self._events.Event(wall_time=when, step=position if step is None else step,
-                                                      summary=summary))
+            self._writer.add_event(Event(wall_time=when, step=shown_step, summary=summary))
 
     def close(self) -> None:
         """Flush what is pending and close the file (and the writer's thread)."""
