@@ -43,7 +43,6 @@ class MetricsView(Protocol):
     def close(self) -> None: ...
 
 
-MetricsViewFactory = Callable[[bool], MetricsView]  # all_ranks -> view
 AttemptSink = Callable[[MetricBatch, int], None]  # (batch, attempt): a TensorBoard log, the caller's sink
 
 
