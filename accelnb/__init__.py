@@ -4,7 +4,9 @@
     loss = notebook_launcher(train, args=(1e-3,), gpus="0,1")     # or num_processes=2 on CPU
 
 or ``%load_ext accelnb`` and a ``%%distributed --gpus 0,1`` cell; ``Session.start(...)`` keeps
-workers (and their variables) between calls. Every launch option is described once, in
+workers (and their variables) between calls; ``max_restarts=N`` restarts every rank when one
+fails (the function reads ``restart_count()``), ``log_dir=`` writes TensorBoard logs of
+``report()``. Every launch option is described once, in
 :class:`accelnb.options.LaunchOptions`. Importing accelnb has no side effects: no NVML, no CUDA,
 no threads, no processes until the first launch.
 """
@@ -35,6 +37,7 @@ from accelnb.session import Session
 from accelnb.worker.accelerate_tracker import AccelerateTracker
 from accelnb.worker.progress import progress
 from accelnb.worker.report import report
+from accelnb.worker.restarts import restart_count
 
 __all__ = [
     "AccelerateTracker",
@@ -69,6 +72,7 @@ __all__ = [
     "progress",
     "read_inventory",
     "report",
+    "restart_count",
     "set_selection",
     "synthetic_inventory",
 ]

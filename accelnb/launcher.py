@@ -16,24 +16,29 @@ Every keyword is an option described once in :mod:`accelnb.options`. This module
 composition root: it resolves the picker's default selection (so the planner stays pure), wires
 the notebook's displays into the engine, and orders the work so that bad input fails before
 anything starts: check the options, plan (raises on a selection that does not fit the GPUs),
-read the thread budget, pickle the call (raises naming an unpicklable argument), bind the
-rendezvous port (raises if a requested one is taken), and only then fork workers from the clean
-helper process.
+read the thread budget, pickle the call (raises naming an unpicklable argument), open the
+TensorBoard log of ``log_dir=`` (raises if tensorboard is not installed), bind the rendezvous
+port (raises if a requested one is taken), and only then fork workers from the clean helper
+process. With ``max_restarts=`` that start, run and stop is repeated by
+:mod:`accelnb.kernel.attempts` when a rank fails.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from accelnb.kernel import planning
+from accelnb.kernel.attempts import run_attempts
 from accelnb.kernel.inventory import read_inventory
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.payload import pack_call
-from accelnb.kernel.runs import MetricsView, last_result, run_on_group, start_workers
+from accelnb.kernel.runs import AttemptSink, MetricRoute, MetricsView, last_result, start_workers
 from accelnb.kernel.selection import current_selection
 from accelnb.kernel.supervisor import WorkerGroup
+from accelnb.kernel.tensorboard_log import TensorBoardLog
 from accelnb.kernel.worker_specs import threads_per_rank
 from accelnb.options import (
     ALL_OPTIONS,
@@ -47,7 +52,8 @@ from accelnb.options import (
 if TYPE_CHECKING:
     from typing import Unpack
 
-__all__ = ["last_result", "launch", "launch_with", "notebook_launcher", "plan", "plan_launch", "start_group"]
+__all__ = ["last_result", "launch", "launch_with", "metric_route", "notebook_launcher", "plan", "plan_launch",
+           "start_group"]
 
 # notebook_launcher returns rank 0's value, so by default it leaves the others' on the ranks.
 _RANK0_VALUE = LaunchOptions(collect="rank0")
@@ -116,18 +122,33 @@ def launch_with(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
     """:func:`launch` for callers that already hold a :class:`LaunchOptions` (the magic)."""
     the_plan = plan_launch(options)
     payload = pack_call(function, args, kwargs or {})
-    group: WorkerGroup | None = None
-    try:  # from before the group exists: an interrupt right after start_group returns is covered
-        group = start_group(the_plan, options, persistent=False)
-        return run_on_group(group, payload, collect=options.collect, timeout=options.timeout,
-                            output=options.output, metric_sink=metric_sink, metrics_view=live_metrics_view)
-    except KeyboardInterrupt as interrupt:
-        # The stop button: the engine's frames would fill the cell and explain nothing. The
-        # exception itself (its type and message say what was stopped) is kept.
-        raise interrupt.with_traceback(None) from None
+    sinks: list[AttemptSink] = []
+    if metric_sink is not None:
+        sinks.append(lambda batch, attempt: metric_sink(batch))
+    with metric_route(options, sinks) as route:  # a log_dir= that cannot be written fails here, before start
+        try:
+            return run_attempts(
+                lambda restart_count: start_group(the_plan, options, persistent=False, restart_count=restart_count),
+                payload, collect=options.collect, output=options.output, timeout=options.timeout,
+                metrics=route, max_restarts=options.max_restarts, restart_delay=options.restart_delay)
+        except KeyboardInterrupt as interrupt:
+            # The stop button: the engine's frames would fill the cell and explain nothing. The
+            # exception itself (its type and message say what was stopped) is kept.
+            raise interrupt.with_traceback(None) from None
+
+
+@contextmanager
+def metric_route(options: LaunchOptions, sinks: Sequence[AttemptSink] = ()) -> Iterator[MetricRoute]:
+    """Where a run's ``report()`` batches go: its history, the notebook's live chart, ``sinks``,
+    and the TensorBoard log of ``log_dir=`` (opened before anything starts, closed at the end)."""
+    log = TensorBoardLog(options.log_dir) if options.log_dir is not None else None
+    route = MetricRoute(live_metrics_view(options.output == "all"), [*sinks, *([log.add] if log else [])])
+    try:
+        yield route
     finally:
-        if group is not None:
-            group.close()
+        route.close()
+        if log is not None:
+            log.close()
 
 
 @documents_options(StartKeywords)
@@ -152,11 +173,13 @@ def plan_launch(options: LaunchOptions) -> planning.LaunchPlan:
                          backend=resolved.backend, mixed_precision=resolved.mixed_precision)
 
 
-def start_group(the_plan: planning.LaunchPlan, options: LaunchOptions, *, persistent: bool) -> WorkerGroup:
+def start_group(the_plan: planning.LaunchPlan, options: LaunchOptions, *, persistent: bool,
+                restart_count: int = 0) -> WorkerGroup:
     """Fork the workers of ``the_plan``; a bad ``OMP_NUM_THREADS`` fails first, before the port
     is bound or anything is forked."""
     threads_per_rank(len(the_plan.ranks))
-    return start_workers(the_plan, options.master_port, persistent=persistent, quiet=options.quiet)
+    return start_workers(the_plan, options.master_port, persistent=persistent, quiet=options.quiet,
+                         restart_count=restart_count)
 
 
 def with_picker_default(options: LaunchOptions) -> LaunchOptions:

@@ -20,7 +20,11 @@ Every entry point builds a :class:`LaunchOptions` and nothing else reads options
   values stays pure and callable without this object.
 
 Each option has a *scope*: ``"start"`` options place the ranks and are fixed when workers start
-(a session keeps them), ``"call"`` options apply to each run (``Session.run`` takes only those).
+(a session keeps them), ``"call"`` options apply to each run (``Session.run`` takes only those),
+``"launch"`` options only make sense for a one-shot launch, which starts its own workers:
+restarts (``max_restarts``, ``restart_delay``) start a fresh group of workers, and a session's
+workers hold the user's variables, which a fresh group would silently lose. So ``Session.run``
+refuses them (saying why), and a session that loses a rank ends, as before.
 
 Adding an option (``gpus_per_rank``, ``config_file``, ``nodes``, ``max_restarts``, ``log_dir``)
 is one field here, with its ``option(...)`` metadata, plus its line in the keyword dictionary of
@@ -40,6 +44,7 @@ from __future__ import annotations
 
 import difflib
 import inspect
+import os
 import textwrap
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields, replace
@@ -51,7 +56,7 @@ from accelnb.kernel.planning import GpuSpec
 from accelnb.kernel.ports import check_port
 from accelnb.kernel.runs import OutputMode
 
-Scope = Literal["start", "call"]
+Scope = Literal["start", "call", "launch"]
 CollectMode = Literal["rank0", "all"]
 
 KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
@@ -99,6 +104,23 @@ def _gpu_selection(name: str, value: Any) -> None:
     if not all(isinstance(p, (int, str)) and not isinstance(p, bool) for p in parts):
         raise LaunchConfigError(f"{name}={value!r} is not a GPU selection; use e.g. {name}=\"0,1\", "
                                 f"{name}=[0, 1], {name}=\"all\" or GPU UUIDs.")
+
+
+def _whole_number_at_least_zero(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise LaunchConfigError(f"{name} must be an integer, got {value!r}.")
+    if value < 0:
+        raise LaunchConfigError(f"{name} must be 0 or more, got {value}.")
+
+
+def _seconds_at_least_zero(name: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+        raise LaunchConfigError(f"{name} must be a number of seconds, 0 or more, got {value!r}.")
+
+
+def _directory(name: str, value: Any) -> None:
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        raise LaunchConfigError(f"{name} must be a directory path (a str or pathlib.Path), got {value!r}.")
 
 
 def _port(name: str, value: Any) -> None:
@@ -156,6 +178,19 @@ class LaunchOptions:
     collect: CollectMode = field(default="all", metadata=option(
         '"all" brings back every rank\'s return value, "rank0" only rank 0\'s (the others are '
         "not pickled).", "call", choices=COLLECT_MODES))
+    log_dir: str | os.PathLike[str] | None = field(default=None, metadata=option(
+        "write rank 0's report() scalars as TensorBoard event files into this directory (one run; "
+        "each launch adds an event file). Needs pip install 'accelnb[tensorboard]'.",
+        "call", flag="--log-dir", metavar="DIR", check=_directory))
+
+    # ── launch: one-shot launches only (a restart starts fresh workers) ─────────────────────
+    max_restarts: int = field(default=0, metadata=option(
+        "when a rank fails, stop every rank and start them all again, up to N times; the function "
+        "reads its attempt from accelnb.restart_count() or TORCHELASTIC_RESTART_COUNT.",
+        "launch", flag="--max-restarts", parse=int, metavar="N", check=_whole_number_at_least_zero))
+    restart_delay: float = field(default=0.0, metadata=option(
+        "seconds to wait before each restart (timeout= covers every attempt and these waits).",
+        "launch", flag="--restart-delay", parse=float, metavar="SECONDS", check=_seconds_at_least_zero))
 
     def __post_init__(self) -> None:
         for each, info in described_fields():
@@ -205,6 +240,9 @@ _SCOPE_MEANING = {
     "start": "it places the ranks, so it is fixed when the workers start (pass it to "
              "Session.start, or %distributed start/restart)",
     "call": "it applies to each call (pass it to Session.run, or to the %%distributed cell)",
+    "launch": "a restart starts a fresh group of workers, and a session's workers hold your "
+              "variables, which it would lose; pass it to notebook_launcher/launch, or to a "
+              "%%distributed cell outside a session",
 }
 
 
@@ -242,9 +280,17 @@ class CallKeywords(TypedDict, total=False):
     timeout: float | None
     output: OutputMode
     collect: CollectMode
+    log_dir: str | os.PathLike[str] | None
 
 
-class LaunchKeywords(_StartKeywordsExceptNumProcesses, CallKeywords, total=False):
+class RestartKeywords(TypedDict, total=False):
+    """The options only one-shot launches take: restarts start a fresh group of workers."""
+
+    max_restarts: int
+    restart_delay: float
+
+
+class LaunchKeywords(_StartKeywordsExceptNumProcesses, CallKeywords, RestartKeywords, total=False):
     """``launch`` and ``notebook_launcher``, whose third positional parameter is num_processes."""
 
 
@@ -255,7 +301,8 @@ def keyword_names(keywords: type) -> frozenset[str]:
 
 START_OPTIONS = keyword_names(StartKeywords)
 CALL_OPTIONS = keyword_names(CallKeywords)
-ALL_OPTIONS = START_OPTIONS | CALL_OPTIONS
+RESTART_OPTIONS = keyword_names(RestartKeywords)
+ALL_OPTIONS = START_OPTIONS | CALL_OPTIONS | RESTART_OPTIONS
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -10,7 +10,10 @@ so the next call costs a pipe round trip instead of a launch, and each rank keep
     {0: 0, 1: 1}
 
 ``Session.start`` takes the options that place ranks (devices, backend, port: fixed for the
-session's life); ``Session.run`` takes those of one call (``timeout``, ``output``, ``collect``).
+session's life); ``Session.run`` takes those of one call (``timeout``, ``output``, ``collect``,
+``log_dir``). Sessions take no ``max_restarts``: a restart starts fresh workers, and a session's
+workers hold the variables of earlier calls, which a restart would silently lose; use a one-shot
+``notebook_launcher(..., max_restarts=N)`` for a run that should survive a failed rank.
 Leaving the ``with`` block, ``stop()``, or dropping the last reference to the session ends its
 workers.
 
@@ -34,7 +37,7 @@ from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.payload import pack_call
 from accelnb.kernel.runs import run_on_group
 from accelnb.kernel.supervisor import WorkerGroup
-from accelnb.launcher import live_metrics_view, plan_launch, start_group, with_picker_default
+from accelnb.launcher import metric_route, plan_launch, start_group, with_picker_default
 from accelnb.options import CALL_OPTIONS, START_OPTIONS, CallKeywords, LaunchOptions, StartKeywords, documents_options
 
 if TYPE_CHECKING:
@@ -116,8 +119,9 @@ class Session:
                                     "or %distributed start.")
         payload = pack_call(function, args, kwargs or {})
         try:
-            return run_on_group(self._group, payload, collect=call.collect, timeout=call.timeout,
-                                output=call.output, metrics_view=live_metrics_view)
+            with metric_route(call) as route:
+                return run_on_group(self._group, payload, collect=call.collect, timeout=call.timeout,
+                                    output=call.output, metrics=route)
         finally:
             if not self._group.usable:
                 self._group.close()

@@ -52,6 +52,11 @@ CELLS = {
     "bad_gpu": "%%distributed --gpus 5\nprint(1)",
     "no_return": "%%distributed --procs 2 --return none --output all\nsecret = rank\nprint('hi')",
     "secret_absent": "print('secret' in globals())",
+    "restarts": ("%%distributed --procs 2 --max-restarts 1 --quiet\n"
+                 "import os, accelnb\n"
+                 "if rank == 1 and accelnb.restart_count() == 0:\n"
+                 "    os._exit(1)\n"
+                 "print('attempt', accelnb.restart_count(), os.environ['TORCHELASTIC_RESTART_COUNT'])"),
     "stop_with_option": "%distributed stop --gpus 0",
     "options_without_command": "%distributed --procs 2",
     "command_on_a_cell": "%%distributed start\nprint(1)",
@@ -64,6 +69,7 @@ CELLS = {
     "session_2": ("%%distributed\nwith torch.no_grad():\n    model.fc.weight.add_(1.0)\n"
                   "round(model.fc.weight.sum().item() - w0, 3)"),
     "devices_are_fixed": "%%distributed --procs 3\nprint(1)",
+    "no_restarts_in_a_session": "%%distributed --max-restarts 2\nprint(1)",
     "status": "%distributed status",
     "bad_restart": "%distributed restart --procs 0",
     "pids_after_bad_restart": PIDS,
@@ -150,6 +156,15 @@ def test_a_session_keeps_each_ranks_variables_between_cells(outputs: dict[str, A
     assert "UsageError: A persistent session is running" in fixed and "--procs" in fixed
 
 
+def test_max_restarts_restarts_a_one_shot_cell_and_is_refused_in_a_session(outputs: dict[str, Any]) -> None:
+    assert error_of(outputs["restarts"]) is None
+    shown = stream_text(outputs["restarts"])
+    assert "accelnb: attempt 1 of 2 ended after" in shown and "rank 1 failed: exited with code 1" in shown
+    assert shown.rstrip().endswith("attempt 1 1")
+    refused = stream_text(outputs["no_restarts_in_a_session"], "stderr")
+    assert "UsageError: A persistent session is running, and --max-restarts cannot apply to it" in refused
+
+
 def test_restart_checks_new_options_first_then_reuses_or_replaces_them(outputs: dict[str, Any]) -> None:
     started = ast.literal_eval(stream_text(outputs["pids_started"]).strip())
     assert "UsageError: --procs must be at least 1, got 0." in stream_text(outputs["bad_restart"], "stderr")
@@ -172,7 +187,8 @@ def test_stop_ends_every_worker_and_the_session(outputs: dict[str, Any]) -> None
 SAMPLES = {  # a flag's text, and the value LaunchOptions must get from it
     "gpus": ("0,1", "0,1"), "num_processes": ("2", 2), "cpu": (None, True), "backend": ("gloo", "gloo"),
     "master_port": ("29555", 29555), "mixed_precision": ("fp8", "fp8"), "quiet": (None, True),
-    "timeout": ("2.5", 2.5), "output": ("all", "all"),
+    "timeout": ("2.5", 2.5), "output": ("all", "all"), "log_dir": ("runs/exp1", "runs/exp1"),
+    "max_restarts": ("2", 2), "restart_delay": ("0.5", 0.5),
 }
 
 

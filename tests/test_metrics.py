@@ -62,8 +62,8 @@ def test_returned_history_equals_what_each_rank_reported() -> None:
         assert history.series("note", rank) == [(None, 2.5)]
         assert history.latest("loss", rank) == 1.0 / 150 + rank
     records = [r for r in history.records if r["rank"] == 1]
-    assert records[0].keys() == {"rank", "step", "time", "loss", "lr"}
-    assert records[-1] == {"rank": 1, "step": None, "time": records[-1]["time"], "note": 2.5}
+    assert records[0].keys() == {"rank", "attempt", "step", "time", "loss", "lr"}
+    assert records[-1] == {"rank": 1, "attempt": 0, "step": None, "time": records[-1]["time"], "note": 2.5}
     assert "304 records from ranks 0, 1" in repr(history)
 
 
@@ -73,7 +73,7 @@ def test_history_to_pandas() -> None:
     history = MetricHistory()
     history.add(MetricBatch(0, [(0, 1.0, {"loss": 2.0}), (None, 2.0, {"acc": 0.5})]))
     frame = history.to_pandas()
-    assert list(frame.columns) == ["rank", "step", "time", "loss", "acc"]
+    assert list(frame.columns) == ["rank", "attempt", "step", "time", "loss", "acc"]
     assert frame["step"].isna().tolist() == [False, True]
     assert frame["loss"].iloc[0] == 2.0 and pandas.isna(frame["loss"].iloc[1])
 
@@ -84,7 +84,7 @@ def test_history_to_pandas_without_pandas_says_how_to_get_it(monkeypatch: pytest
     history.add(MetricBatch(0, [(0, 1.0, {"loss": 2.0})]))
     with pytest.raises(ImportError, match=r"needs pandas: pip install pandas \(or use \.records"):
         history.to_pandas()
-    assert history.records == [{"rank": 0, "step": 0, "time": 1.0, "loss": 2.0}]
+    assert history.records == [{"rank": 0, "attempt": 0, "step": 0, "time": 1.0, "loss": 2.0}]
 
 
 def report_until_rank_1_raises(steps_file: str) -> None:
@@ -164,8 +164,9 @@ def test_bad_values_say_what_to_do() -> None:
 
     with pytest.raises(LaunchFailed, match=r"must be a single number, got a tensor of shape \(3,\)"):
         launch(_report_vector, num_processes=2, quiet=True)
-    with pytest.raises(LaunchFailed, match="reserved"):
-        launch(bad, kwargs={"time": 1.0}, num_processes=2, quiet=True)
+    for reserved in ("time", "attempt"):
+        with pytest.raises(LaunchFailed, match="reserved"):
+            launch(bad, kwargs={reserved: 1.0}, num_processes=2, quiet=True)
 
 
 def _report_vector() -> None:

@@ -23,10 +23,12 @@ from accelnb.options import (
     ALL_OPTIONS,
     CALL_OPTIONS,
     MIXED_PRECISION_MODES,
+    RESTART_OPTIONS,
     START_OPTIONS,
     CallKeywords,
     LaunchKeywords,
     LaunchOptions,
+    RestartKeywords,
     StartKeywords,
     described_fields,
     keyword_names,
@@ -119,11 +121,12 @@ def test_an_option_of_the_wrong_scope_says_where_it_belongs() -> None:
 # ── one description: the keyword dictionaries, signatures and docs follow the dataclass ────
 def test_the_keyword_dictionaries_spell_the_dataclass_fields_with_the_same_types() -> None:
     declared = {each.name: each.type for each in fields(LaunchOptions)}
-    for keywords in (StartKeywords, CallKeywords, LaunchKeywords):
+    for keywords in (StartKeywords, CallKeywords, RestartKeywords, LaunchKeywords):
         hints = {name: ref.__forward_arg__ if isinstance(ref, typing.ForwardRef) else ref
                  for name, ref in keywords.__annotations__.items()}
         assert hints == {name: declared[name] for name in keyword_names(keywords)}, keywords.__name__
     assert names_in_scope("start") == START_OPTIONS and names_in_scope("call") == CALL_OPTIONS
+    assert names_in_scope("launch") == RESTART_OPTIONS
     assert set(declared) == ALL_OPTIONS
     assert keyword_names(LaunchKeywords) == ALL_OPTIONS - {"num_processes"}  # positional there
 

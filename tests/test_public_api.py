@@ -28,7 +28,7 @@ EXPECTED = {
     "AccelerateTracker": "class", "MetricHistory": "class", "Panel": "class", "Session": "class",
     "current_selection": "function", "last_result": "function", "launch": "function",
     "notebook_launcher": "function", "plan": "function", "prewarm": "function", "progress": "function",
-    "read_inventory": "function", "report": "function", "set_selection": "function",
+    "read_inventory": "function", "report": "function", "restart_count": "function", "set_selection": "function",
     "synthetic_inventory": "function",
 }
 

@@ -1,12 +1,55 @@
-"""What a finished launch hands back: every rank's value, the metric history, the output."""
+"""What a finished launch hands back: every rank's value, the metric history, the output, and
+the record of each attempt (a launch with ``max_restarts=`` may take several)."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
+from accelnb.errors import RankFailure
 from accelnb.kernel.metrics_history import MetricHistory
 from accelnb.kernel.planning import LaunchPlan
+
+AttemptEnding = Literal["succeeded", "failed", "timed_out", "interrupted"]
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One start of every rank, run, and stop: the unit a launch with restarts repeats.
+
+    ``index`` is what ``accelnb.restart_count()`` returned in it (0 for the first). Times are
+    wall-clock (``time.time()``). ``failures`` is the failed ranks, root cause first; it is
+    empty for a succeeded or interrupted attempt.
+    """
+
+    index: int
+    started: float
+    ended: float
+    ending: AttemptEnding
+    failures: Sequence[RankFailure] = ()
+
+    @classmethod
+    def ended_by(cls, index: int, started: float, error: BaseException | None) -> Attempt:
+        """The record of an attempt that began at ``started`` and ended now, by ``error`` (None:
+        every rank answered)."""
+        failures: Sequence[RankFailure] = tuple(getattr(error, "failures", ()))
+        ending: AttemptEnding = ("succeeded" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt)
+                                 else "timed_out" if isinstance(error, TimeoutError) else "failed")
+        return cls(index, started, time.time(), ending, failures)
+
+    @property
+    def ok(self) -> bool:
+        return self.ending == "succeeded"
+
+    @property
+    def seconds(self) -> float:
+        return self.ended - self.started
+
+    @property
+    def root_cause(self) -> RankFailure | None:
+        return self.failures[0] if self.failures else None
 
 
 @dataclass
@@ -14,7 +57,9 @@ class LaunchResult:
     """The outcome of :func:`accelnb.launch`.
 
     ``value`` is rank 0's return value; ``values[r]`` is rank r's (collected for every rank by
-    ``launch``, for rank 0 only by ``notebook_launcher``).
+    ``launch``, for rank 0 only by ``notebook_launcher``). With restarts, the values and outputs
+    are the last attempt's, ``metrics`` spans every attempt (each record says which), ``seconds``
+    is the whole launch, and ``attempts`` records each attempt in order.
     """
 
     values: dict[int, Any]
@@ -22,6 +67,7 @@ class LaunchResult:
     seconds: float
     metrics: MetricHistory = field(default_factory=lambda: MetricHistory())
     outputs: dict[int, str] = field(default_factory=dict, repr=False)
+    attempts: list[Attempt] = field(default_factory=list)
 
     @property
     def value(self) -> Any:

@@ -6,20 +6,24 @@ metric view to draw on, so nothing here imports the notebook UI.
 
     >>> group = start_workers(plan, master_port=None, persistent=False, quiet=True)   # doctest: +SKIP
     >>> result = run_on_group(group, pack_call(fn, (), {}), collect="all", timeout=None,
-    ...                       output="rank0", metrics_view=None)                      # doctest: +SKIP
+    ...                       output="rank0")                                         # doctest: +SKIP
+
+A run's ``report()`` batches go through one :class:`MetricRoute` (history, live chart, the
+caller's sinks such as a TensorBoard log). The caller makes it, so a launch with restarts
+(:mod:`accelnb.kernel.attempts`) keeps one across its attempts: one history, one chart.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 from accelnb.errors import LaunchFailed
 from accelnb.kernel import planning
 from accelnb.kernel.failure_report import exception_for, interrupted_outside_call, start_interrupted
 from accelnb.kernel.helper_client import StepHook, shared_helper
-from accelnb.kernel.launch_result import LaunchResult
+from accelnb.kernel.launch_result import Attempt, LaunchResult
 from accelnb.kernel.metrics_history import MetricHistory
 from accelnb.kernel.output import OutputRouter, notebook_sink
 from accelnb.kernel.ports import bind_rendezvous_socket
@@ -39,14 +43,41 @@ class MetricsView(Protocol):
     def close(self) -> None: ...
 
 
-MetricsViewFactory = Callable[[bool], MetricsView]  # all_ranks -> view
+AttemptSink = Callable[[MetricBatch, int], None]  # (batch, attempt): a TensorBoard log, the caller's sink
+
+
+class MetricRoute:
+    """Where a run's metric batches go: its :class:`MetricHistory`, a live view, and sinks.
+
+    ``attempt`` is the attempt now running; each record is kept with it. :meth:`close` closes
+    the view (sinks belong to whoever passed them).
+    """
+
+    def __init__(self, view: MetricsView | None = None, sinks: Sequence[AttemptSink] = ()) -> None:
+        self.history = MetricHistory()
+        self.attempt = 0
+        self._view = view
+        self._sinks = list(sinks)
+
+    def __call__(self, batch: MetricBatch) -> None:
+        self.history.add(batch, self.attempt)
+        if self._view is not None:
+            self._view.add(batch)
+        for sink in self._sinks:
+            sink(batch, self.attempt)
+
+    def close(self) -> None:
+        if self._view is not None:
+            self._view.close()
+
 
 _last_result: LaunchResult | None = None
 
 
 def start_workers(the_plan: planning.LaunchPlan, master_port: int | None, *, persistent: bool,
-                  quiet: bool, on_step: StepHook | None = None) -> WorkerGroup:
-    """Bind the rendezvous port and fork one worker per rank of ``the_plan``.
+                  quiet: bool, on_step: StepHook | None = None, restart_count: int = 0) -> WorkerGroup:
+    """Bind the rendezvous port and fork one worker per rank of ``the_plan`` (for attempt
+    ``restart_count`` of a launch with restarts).
 
     An interrupt at any moment of this leaves no worker and no fd behind, and surfaces as
     :class:`~accelnb.errors.RunInterrupted`. ``on_step`` is for tests (see ``WorkerGroup``).
@@ -59,7 +90,7 @@ def start_workers(the_plan: planning.LaunchPlan, master_port: int | None, *, per
         _step(on_step, "helper-ready")
         router = OutputRouter(live_ranks={0}, prefix=False, sink=notebook_sink)
         group = WorkerGroup(the_plan, helper, router, persistent=persistent, on_step=on_step)
-        group.start(worker_specs(the_plan, persistent), store_socket)
+        group.start(worker_specs(the_plan, persistent, restart_count), store_socket)
         if not quiet:
             notebook_sink("stdout", describe_start(the_plan, [w.pid for w in group.workers]) + "\n")
         _step(on_step, "started")
@@ -74,10 +105,12 @@ def start_workers(the_plan: planning.LaunchPlan, master_port: int | None, *, per
 
 
 def run_on_group(group: WorkerGroup, payload: bytes, *, collect: Literal["rank0", "all"],
-                 timeout: float | None, output: OutputMode,
-                 metric_sink: Callable[[Any], None] | None = None,
-                 metrics_view: MetricsViewFactory | None = None) -> LaunchResult:
+                 timeout: float | None, output: OutputMode, metrics: MetricRoute | None = None,
+                 time_left: float | None = None) -> LaunchResult:
     """Run one packed call on every worker of ``group`` and gather what came back.
+
+    ``metrics`` receives the run's metric batches (a fresh route when None). ``time_left``: the
+    part of ``timeout`` earlier attempts left (None: all of it); messages name ``timeout``.
 
     Raises what :func:`~accelnb.kernel.failure_report.exception_for` says the outcome calls for
     (``RankFailed``, ``RankCrashed``, ``LaunchTimeout``, ``HelperDied``, ``RunInterrupted``).
@@ -86,28 +119,24 @@ def run_on_group(group: WorkerGroup, payload: bytes, *, collect: Literal["rank0"
     group.output.live_ranks = {0} if output == "rank0" else (set(ranks) if output == "all" else set())
     group.output.prefix = output == "all"
     marks = {rank: group.output.position(rank) for rank in ranks}
-    history = MetricHistory()
-    view = metrics_view(output == "all") if metrics_view is not None else None
-
-    def on_metrics(batch: Any) -> None:
-        history.add(batch)
-        if view is not None:
-            view.add(batch)
-        if metric_sink is not None:
-            metric_sink(batch)
-
-    group.metric_sink = on_metrics
+    route = metrics if metrics is not None else MetricRoute()
+    history = route.history
+    group.metric_sink = route
     started = time.perf_counter()
+    started_at = time.time()
     global _last_result
 
-    def result(values: dict[int, Any]) -> LaunchResult:
+    def result(values: dict[int, Any], error: BaseException | None) -> LaunchResult:
         return LaunchResult(values=values, plan=group.plan, seconds=time.perf_counter() - started,
                             metrics=history,
-                            outputs={rank: group.output.text_since(rank, marks[rank]) for rank in ranks})
+                            outputs={rank: group.output.text_since(rank, marks[rank]) for rank in ranks},
+                            attempts=[Attempt.ended_by(route.attempt, started_at, error)])
 
     error: BaseException | None = None
     try:
-        outcome = group.call(payload, {0} if collect == "rank0" else set(ranks), timeout)
+        outcome = group.call(payload, {0} if collect == "rank0" else set(ranks),
+                             timeout if time_left is None else time_left)
+        outcome.timeout = timeout  # the message names what the user set, which covers every attempt
         error = exception_for(outcome, show_output_of=set(group.output.live_ranks), persistent=group.persistent)
         if error is None and not group.persistent:
             group.shutdown()
@@ -119,17 +148,23 @@ def run_on_group(group: WorkerGroup, payload: bytes, *, collect: Literal["rank0"
         raise
     finally:
         group.output.tick(force=True)
-        if view is not None:
-            view.close()
+        if metrics is None:
+            route.close()
     if error is not None:
-        _last_result = result({})  # failed or interrupted: keep what the ranks printed and reported
+        _last_result = result({}, error)  # failed or interrupted: keep what the ranks printed and reported
         if isinstance(error, LaunchFailed):
             error.metrics = history  # what was reported before the failure is not lost
         # The supervisor's frames would fill the cell and explain nothing; the message does.
         raise error.with_traceback(None) from None
     values = {rank: loads_in_kernel(data) for rank, data in outcome.values.items() if data is not None}
-    _last_result = result(values)
+    _last_result = result(values, None)
     return _last_result
+
+
+def remember(result: LaunchResult) -> None:
+    """Make ``result`` what :func:`last_result` returns (a launch with restarts, once it ends)."""
+    global _last_result
+    _last_result = result
 
 
 def _step(on_step: StepHook | None, name: str) -> None:

@@ -20,8 +20,10 @@ from accelnb.kernel import planning
 from accelnb.wire.spec import WorkerSpec
 
 
-def worker_specs(the_plan: planning.LaunchPlan, persistent: bool = False) -> list[WorkerSpec]:
-    """The per-rank specs the helper forks workers from."""
+def worker_specs(the_plan: planning.LaunchPlan, persistent: bool = False,
+                 restart_count: int = 0) -> list[WorkerSpec]:
+    """The per-rank specs the helper forks workers from; ``restart_count``: which attempt of a
+    launch with restarts they belong to."""
     threads = threads_per_rank(len(the_plan.ranks))
     specs = []
     for rank in the_plan.ranks:
@@ -32,6 +34,8 @@ def worker_specs(the_plan: planning.LaunchPlan, persistent: bool = False) -> lis
         env.setdefault("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", "lo"))
         # The kernel's own setting ("4,2" included) reaches the ranks as written.
         env.setdefault("OMP_NUM_THREADS", _kernel_omp_setting() or str(threads))
+        # What torchelastic sets (torchrun --max-restarts), so code written for it finds its attempt.
+        env["TORCHELASTIC_RESTART_COUNT"] = str(restart_count)
         specs.append(WorkerSpec(
             rank=rank.rank, local_rank=rank.local_rank, world_size=rank.world_size,
             device=rank.device, backend=the_plan.backend, env=env,
@@ -40,6 +44,7 @@ def worker_specs(the_plan: planning.LaunchPlan, persistent: bool = False) -> lis
             persistent=persistent,
             holds_store=rank.rank == 0,
             threads_per_rank=threads,
+            restart_count=restart_count,
         ))
     return specs
 

@@ -40,7 +40,15 @@ from accelnb.kernel.byte_sizes import human_bytes, parse_byte_size
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.payload import check_picklable
 from accelnb.launcher import launch_with, plan_launch
-from accelnb.options import ALL_OPTIONS, CALL_OPTIONS, START_OPTIONS, LaunchOptions, Scope, described_fields
+from accelnb.options import (
+    ALL_OPTIONS,
+    CALL_OPTIONS,
+    RESTART_OPTIONS,
+    START_OPTIONS,
+    LaunchOptions,
+    Scope,
+    described_fields,
+)
 from accelnb.session import Session
 from accelnb.wire.result_pickling import loads_in_kernel
 from accelnb.worker.cell_analysis import assigned_names, used_names
@@ -87,7 +95,7 @@ def _option_parser(prog: str, description: str, scopes: tuple[Scope, ...]) -> Ma
 
 
 # IPython's help formatter adds one "%" to each prog.
-CELL_GRAMMAR = _option_parser("%distributed", "Run this cell on every rank.", ("start", "call"))
+CELL_GRAMMAR = _option_parser("%distributed", "Run this cell on every rank.", ("start", "call", "launch"))
 CELL_GRAMMAR.add_argument("--return", dest="return_names", default=None, metavar="NAMES",
                           help='names to bring back from rank 0, comma-separated, whatever their size, '
                                'or "none" (default: every name the cell assigns, within --return-limit)')
@@ -175,6 +183,13 @@ class DistributedMagics(Magics):
             raise UsageError(f"A persistent session is running; its devices and process group are fixed, "
                              f"so {flags} cannot change here. Drop {flags}, or `%distributed restart "
                              f"{flags} …` to start it again with them.")
+        one_shot_only = sorted(name for name in given if name in RESTART_OPTIONS)
+        if in_session and one_shot_only:
+            flags = ", ".join(magic_wording(f"{name}=").strip() for name in one_shot_only)
+            raise UsageError(f"A persistent session is running, and {flags} cannot apply to it: a restart "
+                             f"starts fresh workers, and the session's workers hold the variables of earlier "
+                             f"cells. `%distributed stop` first to run this cell as a one-shot launch with "
+                             f"restarts.")
         with _as_usage_error():
             options = _CELL_DEFAULTS.with_keywords(given, accepted=ALL_OPTIONS, caller="%%distributed")
         # IPython has already counted this cell when magics run: the prompt shows one less.

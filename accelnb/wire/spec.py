@@ -26,3 +26,4 @@ class WorkerSpec:
     persistent: bool = False
     threads_per_rank: int = 1
     holds_store: bool = False  # receives the bound rendezvous socket (rank 0 of a single node)
+    restart_count: int = 0  # which attempt of a launch with restarts (accelnb.restart_count())

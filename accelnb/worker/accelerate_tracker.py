@@ -17,7 +17,7 @@ so the values are rank 0's. Numbers and one-element tensors are reported; nested
 TensorBoard's ``add_scalars`` takes) become ``"outer/inner"`` names; strings and other values
 that are not scalars are skipped, as they cannot be charted. A logged ``"step"`` value is used as
 the step when ``step=`` is not given; metrics named ``rank`` or ``time`` (the history's own
-columns) are kept as ``rank_`` and ``time_``.
+columns) are kept as ``rank_`` and ``time_`` (and ``attempt`` as ``attempt_``).
 
 Importing this module does not import accelerate (accelnb works without it): the class becomes a
 ``GeneralTracker`` subclass the first time one is made, and making one without accelerate
@@ -68,7 +68,7 @@ class AccelerateTracker:
         logged_step = scalars.pop("step", None)
         if step is None and logged_step is not None:  # log({"step": s, …}) means step=s
             step = int(logged_step)
-        for reserved in ("rank", "time"):  # the history's own columns
+        for reserved in ("rank", "attempt", "time"):  # the history's own columns
             if reserved in scalars:
                 scalars[f"{reserved}_"] = scalars.pop(reserved)
         if scalars:

@@ -42,7 +42,7 @@ from accelnb.wire import channel
 from accelnb.wire.events import CallError, CallResult, Joined, RunCall, Shutdown
 from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_kernel
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import report
+from accelnb.worker import report, restarts
 
 # accelnb/ with a trailing separator: frames under it are ours, whichever subpackage.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -124,6 +124,7 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)
     report.attach(events, spec.rank)
+    restarts.attach(spec.restart_count)
     _start_inbox_reader(inbox_fd, commands)
     flusher = _start_flusher()
 

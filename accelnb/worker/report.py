@@ -31,7 +31,7 @@ from accelnb.wire.events import MetricBatch, ProgressBatch, ProgressState
 
 Record = tuple[int | None, float, dict[str, float]]
 
-RESERVED_NAMES = ("rank", "step", "time")  # the other columns of MetricHistory.records
+RESERVED_NAMES = ("rank", "attempt", "step", "time")  # the other columns of MetricHistory.records
 _STEP_LIMIT = 2**63  # steps are kept as 64-bit integers in the kernel
 
 _now = time.time
@@ -73,7 +73,7 @@ def report(metrics: Mapping[str, Any] | None = None, /, *, step: int | None = No
 
     Raises:
         TypeError: a value is not a number or one-element tensor, or ``step`` is not an integer.
-        ValueError: a metric is called ``rank``, ``step`` or ``time`` (those name the history's
+        ValueError: a metric is called ``rank``, ``attempt``, ``step`` or ``time`` (those name the history's
             other columns), or ``step`` does not fit 64 bits.
     """
     if _writer is None:
@@ -83,7 +83,7 @@ def report(metrics: Mapping[str, Any] | None = None, /, *, step: int | None = No
         scalars = {**{_name(key): value for key, value in metrics.items()}, **scalars}
         if "step" in scalars:
             _reject_reserved(scalars)
-    if "rank" in scalars or "time" in scalars:  # ("step" cannot be a keyword: it is the step)
+    if "rank" in scalars or "time" in scalars or "attempt" in scalars:  # ("step" is the step keyword)
         _reject_reserved(scalars)
     for name, value in scalars.items():
         if type(value) is not float:  # the common case costs one type check
@@ -155,7 +155,7 @@ def _reject_reserved(scalars: Mapping[str, Any]) -> None:
     taken = [name for name in RESERVED_NAMES if name in scalars]
     raise ValueError(
         f"accelnb.report: metric name(s) {', '.join(map(repr, taken))} are reserved: every record "
-        "already has 'rank', 'step' and 'time' columns. Pass the step as report(step=…) and give "
+        "already has 'rank', 'attempt', 'step' and 'time' columns. Pass the step as report(step=…) and give "
         "other metrics a different name (e.g. 'epoch_time').")
 
 
