@@ -191,6 +191,12 @@ def _rank_spec(local_rank: int, count: int, selected: Sequence[GpuInfo] | None, 
         env["ACCELERATE_MIXED_PRECISION"] = mixed_precision
     if not on_gpus:
         env["ACCELERATE_USE_CPU"] = "true"
+    if gpus_per_rank > 1:
+        # Accelerate (and so HF Trainer) refuses a model spread over GPUs with device_map="auto"
+        # "in any distributed mode", which a launched rank always is (LOCAL_RANK is set). This is
+        # its own switch for models that own several GPUs: it then wraps them in DDP with
+        # device_ids=None, PyTorch's way for a module on several devices.
+        env["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"
     gpu = own[local_rank % gpus_per_rank] if own else None
     return RankSpec(local_rank, local_rank, count, count, 0, device, gpu, env, gpus=own)
 
