@@ -95,7 +95,7 @@ def read_accelerate_config(config_file: str | os.PathLike[str]) -> AccelerateCon
     raw = _parse(path, config_file)
     distributed_type = _check_keys(path, raw)
     settings = _load_with_accelerate(path)
-    env = _launch_environment(path, distributed_type)
+    env = _launch_environment(path, distributed_type, file_counts_processes=raw.get("num_processes", -1) != -1)
     num_processes = settings.num_processes if isinstance(settings.num_processes, int) and \
         settings.num_processes > 0 else None
     gpu_ids = None if settings.gpu_ids in (None, "all") else str(settings.gpu_ids)
@@ -154,6 +154,9 @@ def _check_keys(path: str, raw: Mapping[str, Any]) -> str:
     if "distributed_type" not in raw:
         raise LaunchConfigError(f"{path} has no distributed_type key. Add one of {', '.join(SUPPORTED_TYPES)}.")
     distributed_type = str(raw["distributed_type"])
+    if raw["distributed_type"] is False:  # YAML 1.1 reads a bare NO as false
+        raise LaunchConfigError(f"{path}: distributed_type: NO must be quoted, distributed_type: 'NO' (YAML reads "
+                                "a bare NO as false), as `accelerate config` writes it.")
     if distributed_type not in SUPPORTED_TYPES:
         raise LaunchConfigError(
             f"{path}: distributed_type: {distributed_type} is not one accelnb can launch. Use one of "
@@ -188,8 +191,13 @@ def _load_with_accelerate(path: str) -> Any:
         raise LaunchConfigError(f"Accelerate refuses {path}: {_one_line(refused)}") from None
 
 
-def _launch_environment(path: str, distributed_type: str) -> dict[str, str]:
-    """What ``accelerate launch --config_file path`` would add to a script's environment."""
+def _launch_environment(path: str, distributed_type: str, file_counts_processes: bool) -> dict[str, str]:
+    """What ``accelerate launch --config_file path`` would add to a script's environment.
+
+    A file without num_processes makes ``accelerate launch`` demand ``--num_processes``; here the
+    planner counts the ranks (from the keywords or the GPUs), and the count changes nothing in
+    this environment, so Accelerate is given a stand-in.
+    """
     from accelerate.commands.launch import _validate_launch_command, launch_command_parser
     from accelerate.utils.launch import (
         prepare_deepspeed_cmd_env,
@@ -197,7 +205,8 @@ def _launch_environment(path: str, distributed_type: str) -> dict[str, str]:
         prepare_simple_launcher_cmd_env,
     )
 
-    args = launch_command_parser().parse_args(["--config_file", path, "<notebook function>"])
+    count = [] if file_counts_processes else ["--num_processes", "1"]
+    args = launch_command_parser().parse_args(["--config_file", path, *count, "<notebook function>"])
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # about Accelerate's default port, which accelnb does not use
