@@ -172,6 +172,7 @@ SAMPLES = {  # a flag's text, and the value LaunchOptions must get from it
     "gpus": ("0,1", "0,1"), "num_processes": ("2", 2), "cpu": (None, True), "backend": ("gloo", "gloo"),
     "master_port": ("29555", 29555), "mixed_precision": ("fp8", "fp8"), "quiet": (None, True),
     "timeout": ("2.5", 2.5), "output": ("all", "all"),
+    "gpus_per_rank": ("2", 2), "config_file": ("fsdp.yaml", "fsdp.yaml"),
 }
 
 
