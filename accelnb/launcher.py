@@ -30,7 +30,9 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from accelnb.errors import LaunchConfigError
 from accelnb.kernel import planning
+from accelnb.kernel.accelerate_config import AccelerateConfig, merge_placement, read_accelerate_config
 from accelnb.kernel.attempts import run_attempts
 from accelnb.kernel.inventory import read_inventory
 from accelnb.kernel.launch_result import LaunchResult
@@ -166,11 +168,34 @@ def plan(**options: Unpack[StartKeywords]) -> planning.LaunchPlan:
 
 
 def plan_launch(options: LaunchOptions) -> planning.LaunchPlan:
-    """Resolve the picker's default, then hand the pure planner plain values."""
+    """Read the Accelerate config file and resolve the picker's default, then hand the pure
+    planner plain values; the file's settings join every rank's environment."""
+    config = read_accelerate_config(options.config_file) if options.config_file is not None else None
+    given, placement = options, None
+    if config is not None:
+        placement = merge_placement(config, gpus=options.gpus, num_processes=options.num_processes,
+                                    cpu=options.cpu, gpus_per_rank=options.gpus_per_rank)
+        options = replace(options, gpus=placement.gpus, num_processes=placement.num_processes, cpu=placement.cpu)
     resolved = with_picker_default(options)
-    return planning.plan(resolved.gpus, resolved.num_processes,
-                         inventory=resolved.inventory or read_inventory(), cpu=resolved.cpu,
-                         backend=resolved.backend, mixed_precision=resolved.mixed_precision)
+    try:
+        the_plan = planning.plan(resolved.gpus, resolved.num_processes,
+                                 inventory=resolved.inventory or read_inventory(), cpu=resolved.cpu,
+                                 backend=resolved.backend, mixed_precision=resolved.mixed_precision,
+                                 gpus_per_rank=resolved.gpus_per_rank)
+    except LaunchConfigError as error:
+        if placement is None or not placement.from_file:
+            raise
+        raise type(error)(f"{error} ({', '.join(placement.from_file)} from {options.config_file})") from None
+    if config is None or placement is None:
+        return the_plan
+    return the_plan.with_env(config.env, note=config.describe(placement.from_file, _overridden(config, given)))
+
+
+def _overridden(config: AccelerateConfig, given: LaunchOptions) -> tuple[str, ...]:
+    """The file's settings that keywords given beside it replaced."""
+    pairs = (("gpus", config.gpu_ids), ("num_processes", config.num_processes),
+             ("mixed_precision", config.mixed_precision if config.mixed_precision != "no" else None))
+    return tuple(name for name, in_file in pairs if in_file is not None and getattr(given, name) not in (None, in_file))
 
 
 def start_group(the_plan: planning.LaunchPlan, options: LaunchOptions, *, persistent: bool,
@@ -183,8 +208,9 @@ def start_group(the_plan: planning.LaunchPlan, options: LaunchOptions, *, persis
 
 
 def with_picker_default(options: LaunchOptions) -> LaunchOptions:
-    """``options`` with the GPU picker's selection filled in where they choose no devices."""
-    if options.gpus is not None or options.num_processes is not None or options.cpu:
+    """``options`` with the GPU picker's selection filled in where they choose no devices (an
+    Accelerate config file chooses them: its placement, or the planner's default, wins)."""
+    if options.gpus is not None or options.num_processes is not None or options.cpu or options.config_file:
         return options
     chosen = current_selection()
     if chosen is None:

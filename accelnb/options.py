@@ -127,6 +127,12 @@ def _port(name: str, value: Any) -> None:
     check_port(value)
 
 
+def _config_path(name: str, value: Any) -> None:
+    if not isinstance(value, (str, os.PathLike)) or not str(value).strip():
+        raise LaunchConfigError(f"{name} must be the path of an Accelerate config file (what `accelerate "
+                                f"config` writes) or \"default\" for that file, got {value!r}.")
+
+
 def _inventory(name: str, value: Any) -> None:
     if not isinstance(value, Inventory):
         raise LaunchConfigError(f"{name} must be an accelnb Inventory (read_inventory() or "
@@ -149,6 +155,15 @@ class LaunchOptions:
     num_processes: int | None = field(default=None, metadata=option(
         "number of ranks: CPU ranks (gloo) where there is no GPU, else the first N GPUs.",
         "start", flag="--procs", parse=int, metavar="N", check=_whole_number_at_least_one))
+    gpus_per_rank: int = field(default=1, metadata=option(
+        "GPUs each rank owns and sees as cuda:0, cuda:1, …, for a model spread over GPUs with "
+        'device_map="auto": gpus="0,1", gpus_per_rank=2 is one rank. The selection must divide '
+        "evenly.", "start", flag="--gpus-per-rank", parse=int, metavar="N", check=_whole_number_at_least_one))
+    config_file: str | None = field(default=None, metadata=option(
+        'an Accelerate config file (what `accelerate config` writes; "default" for its default '
+        "path): its num_processes, gpu_ids, mixed_precision, distributed_type and FSDP, DeepSpeed "
+        "and dynamo settings reach Accelerator() as `accelerate launch` would pass them. Keywords "
+        "given beside it win.", "start", flag="--config", metavar="PATH", check=_config_path))
     cpu: bool = field(default=False, metadata=option(
         "run num_processes=N CPU ranks even where there are GPUs.", "start", flag="--cpu"))
     backend: str | None = field(default=None, metadata=option(
@@ -260,6 +275,8 @@ def _refusal(name: str, accepted: Collection[str], caller: str) -> str:
 # A second spelling of the fields above: tests/test_options.py keeps the names and types equal.
 class _StartKeywordsExceptNumProcesses(TypedDict, total=False):
     gpus: GpuSpec
+    gpus_per_rank: int
+    config_file: str | None
     cpu: bool
     backend: str | None
     master_port: int | None

@@ -123,3 +123,69 @@ def test_gpus_hidden_by_the_kernels_cuda_visible_devices_are_refused() -> None:
     with pytest.raises(GpuSelectionError, match="GPU 1 exists but is hidden from this kernel by its "
                                                 r"CUDA_VISIBLE_DEVICES. Visible: 0 \(.*\), 2 \("):
         plan("1", inventory=hidden)
+
+
+# ── ranks that own several GPUs (gpus_per_rank) ──────────────────────────────────────────────
+def test_8_gpus_as_2_ranks_of_4_each_see_only_their_own_in_selection_order() -> None:
+    p = plan("all", gpus_per_rank=4, inventory=real(EIGHT))
+    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in p.ranks] == ["0,1,2,3", "4,5,6,7"]
+    assert [[g.index for g in r.gpus] for r in p.ranks] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [r.env["WORLD_SIZE"] for r in p.ranks] == ["2", "2"] and p.backend == "nccl"
+    # Each rank's device is what Accelerator() and `rank % device_count()` compute in it.
+    assert [(r.device, r.gpu.index if r.gpu else None) for r in p.ranks] == [("cuda:0", 0), ("cuda:1", 5)]
+    assert [r.env[DEVICE_ENV] for r in p.ranks] == ["cuda:0", "cuda:1"]
+    assert all(r.env["ACCELERATE_BYPASS_DEVICE_MAP"] == "true" for r in p.ranks)
+
+
+def test_selection_order_is_kept_within_each_rank() -> None:
+    p = plan("6,2,7,3", gpus_per_rank=2, inventory=real(EIGHT))
+    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in p.ranks] == ["6,2", "7,3"]
+
+
+def test_two_gpus_one_rank_sees_both_as_cuda_0_and_1() -> None:
+    p = plan("0,1", gpus_per_rank=2, inventory=real(EIGHT))
+    assert len(p.ranks) == 1 and p.ranks[0].env["CUDA_VISIBLE_DEVICES"] == "0,1"
+    assert p.ranks[0].device == "cuda:0" and p.ranks[0].env["WORLD_SIZE"] == "1"
+    table = p.table(pids=[4242])
+    assert "rank 0 → GPUs 0,1 as cuda:0-1, its device cuda:0  (pid 4242)" in table
+    assert "cuda:0 → GPU 0 (" in table and "cuda:1 → GPU 1 (" in table
+
+
+def test_num_processes_counts_ranks_of_several_gpus() -> None:
+    p = plan(num_processes=3, gpus_per_rank=2, inventory=real(EIGHT))
+    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in p.ranks] == ["0,1", "2,3", "4,5"]
+    assert len(plan("0,1,2,3", num_processes=2, gpus_per_rank=2, inventory=real(EIGHT)).ranks) == 2
+
+
+def test_one_gpu_per_rank_keeps_the_shared_layout() -> None:
+    shared = plan("3,4", inventory=real(EIGHT))
+    assert shared == plan("3,4", gpus_per_rank=1, inventory=real(EIGHT))
+    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in shared.ranks] == ["3,4", "3,4"]
+    assert "ACCELERATE_BYPASS_DEVICE_MAP" not in shared.ranks[0].env
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"gpus": "0,1,2,3,4", "gpus_per_rank": 2},
+     "gpus_per_rank=2 cannot divide the 5 selected GPU(s) (0, 1, 2, 3, 4) into whole ranks"),
+    ({"gpus_per_rank": 3}, "gpus_per_rank=3 cannot divide the 8 selected GPU(s)"),
+    ({"gpus": "0,1,2,3", "num_processes": 3, "gpus_per_rank": 2},
+     "gpus= selects 4 GPU(s) but num_processes=3 × gpus_per_rank=2"),
+    ({"num_processes": 5, "gpus_per_rank": 2}, "num_processes=5 × gpus_per_rank=2 asks for more GPUs than the 8"),
+    ({"num_processes": 2, "gpus_per_rank": 2, "cpu": True}, "gpus_per_rank=2 needs GPUs"),
+])
+def test_layouts_that_do_not_divide_are_refused(kwargs: dict, message: str) -> None:
+    with pytest.raises(LaunchConfigError) as info:
+        plan(inventory=real(EIGHT), **kwargs)
+    assert message in str(info.value)
+
+
+def test_several_gpus_per_rank_without_gpus_is_refused() -> None:
+    with pytest.raises(GpuSelectionError, match="gpus_per_rank=2 needs GPUs, but no GPU is visible"):
+        plan(num_processes=1, gpus_per_rank=2, inventory=NONE)
+
+
+def test_a_synthetic_inventory_plans_the_layout_and_runs_it_on_cpu() -> None:
+    p = accelnb.plan(gpus="0,1,2,3", gpus_per_rank=2, inventory=EIGHT)
+    assert [r.device for r in p.ranks] == ["cpu", "cpu"] and p.backend == "gloo"
+    assert [r.env["CUDA_VISIBLE_DEVICES"] for r in p.ranks] == ["0,1", "2,3"]
+    assert "rank 1 → cpu, simulating GPUs 2,3" in p.table()

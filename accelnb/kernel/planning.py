@@ -10,14 +10,30 @@ device mapping is testable on a machine without a GPU::
     [(0, 'cpu', 3), (1, 'cpu', 4), (2, 'cpu', 5), (3, 'cpu', 7)]
     >>> p.ranks[0].env["CUDA_VISIBLE_DEVICES"]
     '3,4,5,7'
+    >>> [r.env["CUDA_VISIBLE_DEVICES"] for r in plan(gpus="all", gpus_per_rank=4,
+    ...                                             inventory=synthetic_inventory(8)).ranks]
+    ['0,1,2,3', '4,5,6,7']
 
 The rules:
 
 - GPUs are named as ``nvidia-smi`` names them (index or UUID); workers get
   ``CUDA_DEVICE_ORDER=PCI_BUS_ID`` so CUDA numbers them the same way.
-- Every worker sees the selected GPUs in selection order (``CUDA_VISIBLE_DEVICES``), and local
-  rank *i* uses ``cuda:i``; so ``cuda:{LOCAL_RANK}``, ``rank % device_count()`` and
-  ``Accelerator()`` all land on the right card.
+- One GPU per rank (the default): every worker sees the selected GPUs in selection order
+  (``CUDA_VISIBLE_DEVICES``), and local rank *i* uses ``cuda:i``; so ``cuda:{LOCAL_RANK}``,
+  ``rank % device_count()`` and ``Accelerator()`` all land on the right card.
+- Several GPUs per rank (``gpus_per_rank=k``, for a model spread over GPUs with
+  ``device_map="auto"``, or pipeline stages inside data parallelism): the selection is cut into
+  consecutive groups of *k*, and each rank sees only its own group (``CUDA_VISIBLE_DEVICES``), in
+  selection order, as ``cuda:0`` … ``cuda:k-1``. Seeing only its own GPUs is what makes a rank
+  safe: ``device_map="auto"`` spreads a model over every GPU the process can see, so a shared
+  list would put rank 1's layers on rank 0's cards. Each rank's own device (the one the worker
+  makes current and binds its process group to) is ``cuda:{LOCAL_RANK % k}``: exactly what
+  ``Accelerator()`` (``local_process_index % device_count()``) and ``rank % device_count()``
+  compute, so those idioms and the process group agree on one card of the rank's own.
+  ``cuda:{LOCAL_RANK}`` agrees too while there are no more ranks than *k* (2 ranks × 2 GPUs,
+  2 × 4); beyond that it names a device the rank cannot see, and CUDA refuses it ("invalid device
+  ordinal"): never another rank's GPU. Code written for several GPUs per process usually asks
+  ``torch.cuda.current_device()`` or lets ``device_map`` place everything.
 - The device is decided here, once: ``"cuda:N"`` or ``"cpu"``. A synthetic inventory (tests,
   demos) plans GPU ranks that run on the CPU with gloo. Each rank finds its device in
   ``ACCELNB_DEVICE`` (what ``%%distributed`` calls ``device``), so no worker re-derives it.
@@ -60,13 +76,25 @@ class RankSpec:
     device: str  # "cuda:N" as the worker sees it, or "cpu"
     gpu: GpuInfo | None  # the physical GPU behind ``device``
     env: Mapping[str, str] = field(default_factory=dict)
+    # Every GPU this rank owns, in the order it sees them (cuda:0, cuda:1, …); () for CPU ranks.
+    # With one GPU per rank, ``(gpu,)``: the rank sees the other ranks' GPUs too, but owns one.
+    gpus: tuple[GpuInfo, ...] = ()
 
     def describe(self, simulated: bool = False) -> str:
+        """One line for a rank with one GPU; a rank with several lists each under its first line."""
         if self.gpu is None:
             return f"rank {self.rank} → cpu"
-        where = "cpu, simulating " if simulated else f"{self.device} → "
-        return (f"rank {self.rank} → {where}GPU {self.gpu.index} "
-                f"({self.gpu.name}, {self.gpu.uuid}, bus {self.gpu.pci_bus_id})")
+        if len(self.gpus) <= 1:
+            where = "cpu, simulating " if simulated else f"{self.device} → "
+            return f"rank {self.rank} → {where}GPU {_gpu_line(self.gpu)}"
+        indices = ",".join(str(g.index) for g in self.gpus)
+        first = (f"rank {self.rank} → cpu, simulating GPUs {indices}" if simulated else
+                 f"rank {self.rank} → GPUs {indices} as cuda:0-{len(self.gpus) - 1}, its device {self.device}")
+        return "\n".join([first] + [f"    cuda:{n} → GPU {_gpu_line(g)}" for n, g in enumerate(self.gpus)])
+
+
+def _gpu_line(gpu: GpuInfo) -> str:
+    return f"{gpu.index} ({gpu.name}, {gpu.uuid}, bus {gpu.pci_bus_id})"
 
 
 @dataclass(frozen=True)
@@ -78,6 +106,7 @@ class LaunchPlan:
     master_addr: str = LOOPBACK
     master_port: int = 0  # 0 until the launcher binds a free one
     simulated_gpus: bool = False  # GPUs come from a synthetic inventory; ranks run on CPU
+    notes: tuple[str, ...] = ()  # lines the table shows under its header (where options came from)
 
     @property
     def world_size(self) -> int:
@@ -87,12 +116,23 @@ class LaunchPlan:
         ranks = tuple(replace(r, env={**r.env, "MASTER_PORT": str(port)}) for r in self.ranks)
         return replace(self, ranks=ranks, master_port=port)
 
-    def table(self) -> str:
-        """The rank → device mapping as shown at the start of a run."""
+    def with_env(self, env: Mapping[str, str], note: str | None = None) -> LaunchPlan:
+        """Every rank with ``env`` added under its own keys (the plan's own values win), and
+        ``note`` shown in the table; how a launcher adds settings that do not place ranks."""
+        ranks = tuple(replace(r, env={**env, **r.env}) for r in self.ranks)
+        return replace(self, ranks=ranks, notes=self.notes + ((note,) if note else ()))
+
+    def table(self, pids: Sequence[int] | None = None) -> str:
+        """The rank → device mapping as shown at the start of a run (with each rank's pid)."""
         header = f"accelnb: {len(self.ranks)} rank(s), backend {self.backend}"
         if self.simulated_gpus:
             header += " (synthetic GPU inventory: ranks run on the CPU)"
-        return "\n".join([header] + ["  " + r.describe(self.simulated_gpus) for r in self.ranks])
+        lines = [header] + ["  " + note for note in self.notes]
+        for n, rank in enumerate(self.ranks):
+            first, *more = rank.describe(self.simulated_gpus).split("\n")
+            lines.append(f"  {first}" + (f"  (pid {pids[n]})" if pids is not None else ""))
+            lines.extend("  " + line for line in more)
+        return "\n".join(lines)
 
 
 def plan(
@@ -103,25 +143,36 @@ def plan(
     cpu: bool = False,
     backend: str | None = None,
     mixed_precision: str | None = None,
+    gpus_per_rank: int = 1,
 ) -> LaunchPlan:
     """Plan the ranks of this machine. Raises :class:`GpuSelectionError` or
     :class:`LaunchConfigError` when the selection does not fit ``inventory``.
 
-    ``cpu=True`` needs ``num_processes`` (``LaunchOptions`` refuses it without).
+    ``cpu=True`` needs ``num_processes`` (``LaunchOptions`` refuses it without). With
+    ``gpus_per_rank=k``, ``num_processes`` counts ranks, each of *k* GPUs.
     """
-    selected = _select_gpus(gpus, num_processes, inventory, cpu)
+    selected = _select_gpus(gpus, num_processes, inventory, cpu, gpus_per_rank)
     simulated = selected is not None and inventory.synthetic
     on_gpus = selected is not None and not simulated
-    count = len(selected) if selected is not None else num_processes
+    count = len(selected) // gpus_per_rank if selected is not None else num_processes
     assert count is not None, "cpu ranks need num_processes (checked by LaunchOptions)"
-    ranks = tuple(_rank_spec(local_rank, count, selected, on_gpus, mixed_precision)
+    ranks = tuple(_rank_spec(local_rank, count, selected, on_gpus, mixed_precision, gpus_per_rank)
                   for local_rank in range(count))
     return LaunchPlan(ranks, _choose_backend(backend, on_gpus), simulated_gpus=simulated)
 
 
 def _rank_spec(local_rank: int, count: int, selected: Sequence[GpuInfo] | None, on_gpus: bool,
-               mixed_precision: str | None) -> RankSpec:
-    device = f"cuda:{local_rank}" if on_gpus else "cpu"
+               mixed_precision: str | None, gpus_per_rank: int) -> RankSpec:
+    if gpus_per_rank == 1:
+        # Today's layout, kept exactly: every rank sees the whole selection and owns one card.
+        own = tuple(selected[local_rank:local_rank + 1]) if selected else ()
+        visible = selected or ()
+        device = f"cuda:{local_rank}" if on_gpus else "cpu"
+    else:
+        assert selected is not None, "several GPUs per rank need GPUs (checked by _select_gpus)"
+        own = tuple(selected[local_rank * gpus_per_rank:(local_rank + 1) * gpus_per_rank])
+        visible = own
+        device = f"cuda:{local_rank % gpus_per_rank}" if on_gpus else "cpu"  # see the module docstring
     env = {
         "RANK": str(local_rank),  # one machine: the global rank is the local rank
         "LOCAL_RANK": str(local_rank),
@@ -133,34 +184,50 @@ def _rank_spec(local_rank: int, count: int, selected: Sequence[GpuInfo] | None, 
         "MASTER_PORT": "0",
         "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
         # CPU ranks on a GPU machine must not grab a GPU behind the user's back.
-        "CUDA_VISIBLE_DEVICES": ",".join(str(g.index) for g in selected) if selected else "",
+        "CUDA_VISIBLE_DEVICES": ",".join(str(g.index) for g in visible),
         DEVICE_ENV: device,
     }
     if mixed_precision is not None:
         env["ACCELERATE_MIXED_PRECISION"] = mixed_precision
     if not on_gpus:
         env["ACCELERATE_USE_CPU"] = "true"
-    gpu = selected[local_rank] if selected is not None else None
-    return RankSpec(local_rank, local_rank, count, count, 0, device, gpu, env)
+    if gpus_per_rank > 1:
+        # Accelerate (and so HF Trainer) refuses a model spread over GPUs with device_map="auto"
+        # "in any distributed mode", which a launched rank always is (LOCAL_RANK is set). This is
+        # its own switch for models that own several GPUs: it then wraps them in DDP with
+        # device_ids=None, PyTorch's way for a module on several devices.
+        env["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"
+    gpu = own[local_rank % gpus_per_rank] if own else None
+    return RankSpec(local_rank, local_rank, count, count, 0, device, gpu, env, gpus=own)
 
 
 def _select_gpus(gpus: GpuSpec, num_processes: int | None, inventory: Inventory,
-                 cpu: bool) -> list[GpuInfo] | None:
+                 cpu: bool, gpus_per_rank: int) -> list[GpuInfo] | None:
     """The GPUs to use in rank order, or None for CPU ranks."""
     if cpu:
+        if gpus_per_rank > 1:
+            raise LaunchConfigError(f"cpu=True runs CPU ranks, which own no GPU; gpus_per_rank={gpus_per_rank} "
+                                    "needs GPUs. Remove one of them.")
         return None
     if gpus is None:
-        return _default_gpus(num_processes, inventory)
-    selected = _named_gpus(gpus, inventory)
-    if num_processes is not None and num_processes != len(selected):
+        selected = _default_gpus(num_processes, inventory, gpus_per_rank)
+    else:
+        selected = _named_gpus(gpus, inventory)
+        if num_processes is not None and num_processes * gpus_per_rank != len(selected):
+            per_rank = f" × gpus_per_rank={gpus_per_rank}" if gpus_per_rank > 1 else ""
+            raise LaunchConfigError(
+                f"gpus= selects {len(selected)} GPU(s) but num_processes={num_processes}{per_rank}. "
+                "Pass only one of them, or make them agree.")
+    if selected is not None and len(selected) % gpus_per_rank:
         raise LaunchConfigError(
-            f"gpus= selects {len(selected)} GPU(s) but num_processes={num_processes}. "
-            "Pass only one of them, or make them agree.")
+            f"gpus_per_rank={gpus_per_rank} cannot divide the {len(selected)} selected GPU(s) "
+            f"({', '.join(str(g.index) for g in selected)}) into whole ranks. Select a multiple of "
+            f"{gpus_per_rank} GPUs, or a gpus_per_rank that divides {len(selected)}.")
     return selected
 
 
-def _default_gpus(num_processes: int | None, inventory: Inventory) -> list[GpuInfo] | None:
-    """Without gpus=: every visible GPU, the first ``num_processes`` of them, or CPU ranks."""
+def _default_gpus(num_processes: int | None, inventory: Inventory, gpus_per_rank: int) -> list[GpuInfo] | None:
+    """Without gpus=: every visible GPU, the first ``num_processes`` ranks' worth of them, or CPU ranks."""
     visible = inventory.visible
     if num_processes is None:
         if not visible:
@@ -170,12 +237,20 @@ def _default_gpus(num_processes: int | None, inventory: Inventory) -> list[GpuIn
                 + ". Pass num_processes=N to run N CPU ranks with the gloo backend.")
         return list(visible)
     if not visible:
+        if gpus_per_rank > 1:
+            raise GpuSelectionError(
+                f"gpus_per_rank={gpus_per_rank} needs GPUs, but no GPU is visible to this kernel"
+                + (f" ({inventory.note})" if inventory.note else "")
+                + ". Leave gpus_per_rank unset to run num_processes CPU ranks.")
         return None  # N CPU ranks
-    if num_processes > len(visible):
+    wanted = num_processes * gpus_per_rank
+    if wanted > len(visible):
+        per_rank = f" × gpus_per_rank={gpus_per_rank}" if gpus_per_rank > 1 else ""
         raise GpuSelectionError(
-            f"num_processes={num_processes} asks for more GPUs than the {len(visible)} visible "
-            f"({_list_gpus(visible)}). Use num_processes<={len(visible)}, or cpu=True for CPU ranks.")
-    return list(visible[:num_processes])
+            f"num_processes={num_processes}{per_rank} asks for more GPUs than the {len(visible)} visible "
+            f"({_list_gpus(visible)}). Use num_processes<={len(visible) // gpus_per_rank}, or cpu=True "
+            "for CPU ranks.")
+    return list(visible[:wanted])
 
 
 def _named_gpus(gpus: str | int | Sequence[int | str], inventory: Inventory) -> list[GpuInfo]:

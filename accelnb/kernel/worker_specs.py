@@ -76,5 +76,6 @@ def _kernel_omp_setting() -> str | None:
 
 
 def describe_start(the_plan: planning.LaunchPlan, pids: Sequence[int]) -> str:
-    lines = the_plan.table().splitlines()
-    return "\n".join([lines[0]] + [f"{line}  (pid {pid})" for line, pid in zip(lines[1:], pids, strict=True)])
+    if len(pids) != len(the_plan.ranks):
+        raise ValueError(f"{len(pids)} pid(s) for {len(the_plan.ranks)} rank(s)")
+    return the_plan.table(pids)
