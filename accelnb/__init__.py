@@ -29,6 +29,7 @@ from accelnb.errors import (
 from accelnb.kernel.helper_client import prewarm
 from accelnb.kernel.inventory import GpuInfo, Inventory, read_inventory, synthetic_inventory
 from accelnb.kernel.launch_result import LaunchResult
+from accelnb.kernel.live_stacks import stacks
 from accelnb.kernel.metrics_history import MetricHistory
 from accelnb.kernel.planning import LaunchPlan, RankSpec
 from accelnb.kernel.selection import Selection, current_selection, set_selection
@@ -74,6 +75,7 @@ __all__ = [
     "report",
     "restart_count",
     "set_selection",
+    "stacks",
     "synthetic_inventory",
 ]
 
