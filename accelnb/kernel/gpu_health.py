@@ -55,7 +55,7 @@ def read_gpu_facts(selected: Sequence[int] | None) -> GpuFacts:
         pynvml.nvmlShutdown()
 
 
-def _read_with_nvml(nv: object, selected: Sequence[int] | None) -> GpuFacts:
+def _read_with_nvml(nv: Any, selected: Sequence[int] | None) -> GpuFacts:
     def call(name: str, *args: object) -> Any:
         return getattr(nv, name)(*args)
 
@@ -70,8 +70,8 @@ def _read_with_nvml(nv: object, selected: Sequence[int] | None) -> GpuFacts:
             if a < b:
                 try:
                     status = call("nvmlDeviceGetP2PStatus", handles[a], handles[b],
-                                  getattr(nv, "NVML_P2P_CAPS_INDEX_READ"))
-                    p2p[(a, b)] = status == getattr(nv, "NVML_P2P_STATUS_OK")
+                                  nv.NVML_P2P_CAPS_INDEX_READ)
+                    p2p[(a, b)] = status == nv.NVML_P2P_STATUS_OK
                 except Exception:  # not supported by this driver: say nothing rather than guess
                     pass
     return GpuFacts(driver=driver.decode() if isinstance(driver, bytes) else str(driver),
