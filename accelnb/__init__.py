@@ -4,7 +4,8 @@
     loss = notebook_launcher(train, args=(1e-3,), gpus="0,1")     # or num_processes=2 on CPU
 
 or ``%load_ext accelnb`` and a ``%%distributed --gpus 0,1`` cell; ``Session.start(...)`` keeps
-workers (and their variables) between calls; ``max_restarts=N`` restarts every rank when one
+workers (and their variables) between calls; ``doctor()`` checks the machine before a launch,
+``stacks()`` shows every rank's stack while it runs; ``max_restarts=N`` restarts every rank when one
 fails (the function reads ``restart_count()``), ``log_dir=`` writes TensorBoard logs of
 ``report()``. Every launch option is described once, in
 :class:`accelnb.options.LaunchOptions`. Importing accelnb has no side effects: no NVML, no CUDA,
@@ -26,9 +27,12 @@ from accelnb.errors import (
     UnpicklableError,
     WorkerStartError,
 )
+from accelnb.kernel.doctor import doctor
+from accelnb.kernel.doctor_report import Check, DoctorReport
 from accelnb.kernel.helper_client import prewarm
 from accelnb.kernel.inventory import GpuInfo, Inventory, read_inventory, synthetic_inventory
 from accelnb.kernel.launch_result import LaunchResult
+from accelnb.kernel.live_stacks import stacks
 from accelnb.kernel.metrics_history import MetricHistory
 from accelnb.kernel.planning import LaunchPlan, RankSpec
 from accelnb.kernel.selection import Selection, current_selection, set_selection
@@ -42,6 +46,8 @@ from accelnb.worker.restarts import restart_count
 __all__ = [
     "AccelerateTracker",
     "AccelnbError",
+    "Check",
+    "DoctorReport",
     "GpuInfo",
     "GpuSelectionError",
     "HelperDied",
@@ -64,6 +70,7 @@ __all__ = [
     "UnpicklableError",
     "WorkerStartError",
     "current_selection",
+    "doctor",
     "last_result",
     "launch",
     "notebook_launcher",
@@ -74,6 +81,7 @@ __all__ = [
     "report",
     "restart_count",
     "set_selection",
+    "stacks",
     "synthetic_inventory",
 ]
 

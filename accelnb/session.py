@@ -34,6 +34,7 @@ from accelnb.errors import LaunchConfigError
 from accelnb.kernel import planning
 from accelnb.kernel.inventory import Inventory, read_inventory
 from accelnb.kernel.launch_result import LaunchResult
+from accelnb.kernel.live_stacks import DEFAULT_WAIT_S, StackDump
 from accelnb.kernel.payload import pack_call
 from accelnb.kernel.runs import run_on_group
 from accelnb.kernel.supervisor import WorkerGroup
@@ -125,6 +126,12 @@ class Session:
         finally:
             if not self._group.usable:
                 self._group.close()
+
+    def stacks(self, wait: float = DEFAULT_WAIT_S) -> StackDump:
+        """Every rank's current Python stack, without stopping anything (see
+        :func:`accelnb.stacks`). Between cells this thread reads the ranks' dumps itself, for up
+        to ``wait`` s; during a call from another thread, that call's thread reads them."""
+        return StackDump(self._group.collect_stacks(wait))
 
     def stop(self) -> None:
         """End every worker and free their resources. Safe to call more than once."""

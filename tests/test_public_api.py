@@ -29,7 +29,8 @@ EXPECTED = {
     "current_selection": "function", "last_result": "function", "launch": "function",
     "notebook_launcher": "function", "plan": "function", "prewarm": "function", "progress": "function",
     "read_inventory": "function", "report": "function", "restart_count": "function", "set_selection": "function",
-    "synthetic_inventory": "function",
+    "synthetic_inventory": "function", "stacks": "function", "doctor": "function",
+    "Check": "record", "DoctorReport": "class",
 }
 
 

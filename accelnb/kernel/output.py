@@ -114,6 +114,8 @@ class OutputRouter:
         self._last_tick = -math.inf  # the first tick always draws
         self.skipped_lines = 0  # whole lines left out of the live view, all ranks and streams
         self.skipped_bytes = 0  # everything left out of the live view, lines and parts of lines
+        # stderr kept out of the live view while a live stack dump is on its way (see hold_stderr)
+        self._held_stderr: dict[int, list[str]] = {}
 
     def feed(self, rank: int, stream: Stream, data: bytes) -> None:
         state = self._streams.setdefault((rank, stream), _StreamState())
@@ -121,9 +123,37 @@ class OutputRouter:
         if not text:
             return
         self.retained.setdefault(rank, RetainedOutput()).append(text)
-        if rank in self.live_ranks:
+        held = self._held_stderr.get(rank) if stream == "stderr" else None
+        if held is not None:
+            held.append(text)
+        elif rank in self.live_ranks:
             state.pending.append(text)
             state.pending_bytes += len(data)
+
+    def hold_stderr(self, ranks: Iterable[int]) -> None:
+        """Keep these ranks' stderr out of the live view until :meth:`release_stderr`.
+
+        A live stack dump (faulthandler, on stderr) must not land in the running cell; the rank's
+        own stderr of that moment is given back by the caller through :meth:`show`.
+        """
+        for rank in ranks:
+            self._held_stderr.setdefault(rank, [])
+
+    def held_stderr(self, rank: int) -> str:
+        return "".join(self._held_stderr.get(rank, ()))
+
+    def release_stderr(self) -> dict[int, str]:
+        """End :meth:`hold_stderr`; returns what each held rank wrote to stderr meanwhile."""
+        held = {rank: "".join(chunks) for rank, chunks in self._held_stderr.items()}
+        self._held_stderr.clear()
+        return held
+
+    def show(self, rank: int, stream: Stream, text: str) -> None:
+        """Queue already retained ``text`` for the live view (output held back for a while)."""
+        if text and rank in self.live_ranks:
+            state = self._streams.setdefault((rank, stream), _StreamState())
+            state.pending.append(text)
+            state.pending_bytes += len(text.encode("utf-8"))
 
     def tick(self, force: bool = False) -> None:
         now = self._clock()

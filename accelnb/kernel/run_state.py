@@ -60,6 +60,9 @@ class RunState:
     started_at: float = field(default_factory=time.time)
     finished: bool = False
     stop_requested: threading.Event = field(default_factory=threading.Event, repr=False)
+    # Every live rank's current stacks without stopping anything; safe from any thread (the
+    # supervisor's WorkerGroup.collect_stacks). None for a run that cannot be asked.
+    collect_stacks: Callable[[float], dict[int, str]] | None = field(default=None, repr=False)
 
     @property
     def states(self) -> dict[int, RankPhase]:

@@ -1,8 +1,11 @@
 """Making faulthandler's dumps readable: only the user's threads and frames.
 
-A worker's dump (on SIGUSR1 for timeouts, or on a segfault) lists accelnb's own helper threads
-and the frames that lead from the helper process into the user's function. Neither helps anyone
-find a hang, so they are dropped here; everything else is kept verbatim.
+A worker's dump (on SIGUSR1 for timeouts and live stacks, or on a segfault) lists accelnb's own
+helper threads and the frames that lead from the helper process into the user's function. Neither
+helps anyone find a hang, so they are dropped here; everything else is kept verbatim.
+
+A live dump arrives on the rank's stderr mixed with whatever the rank itself writes there;
+:func:`split_stack_dump` tells the two apart, so the rank's own lines still reach the cell.
 """
 
 from __future__ import annotations
@@ -14,6 +17,25 @@ import re
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _THREAD_HEADER = re.compile(r"^(Thread 0x[0-9a-f]+|Current thread 0x[0-9a-f]+)")
 _THREAD_RUN = re.compile(r'threading\.py", line \d+ in run$')  # Thread.run calls the thread's target
+
+
+def split_stack_dump(text: str) -> tuple[str, str]:
+    """``(dump, rest)``: faulthandler's thread blocks, and every other line, each in order.
+
+    A block is a thread header, its indented frame lines, and the blank line that ends it.
+    """
+    dump: list[str] = []
+    rest: list[str] = []
+    in_block = False
+    for line in text.splitlines(keepends=True):
+        if _THREAD_HEADER.match(line):
+            in_block = True
+        elif in_block and not (line.startswith("  ") or not line.strip()):
+            in_block = False
+        (dump if in_block else rest).append(line)
+        if in_block and not line.strip():
+            in_block = False  # the blank line closes the block
+    return "".join(dump), "".join(rest)
 
 
 def clean_stack_dump(text: str) -> str:

@@ -21,6 +21,12 @@ Endings, all of which leave no process and no bound port behind:
 - accelnb's helper process died: its workers died with it (``PR_SET_PDEATHSIG``); their process
   groups are killed too, and the group waits until they are gone.
 
+Live stacks (:meth:`WorkerGroup.collect_stacks`, from any thread) stop nothing: SIGUSR1 makes
+faulthandler print each rank's stacks on its stderr. Whoever drives the group's pipes reads the
+dumps: the launching thread during a call (it serves the request in its wait loop), or the asking
+thread itself when no call runs (a session between cells). The pipes are never read by two
+threads at once: a call, a shutdown and a self-served request each hold the group's drive lock.
+
 An interrupt can land at any moment, start-up included: :meth:`WorkerGroup.start` undoes a start
 it did not finish (kills what was forked, closes every fd), and a call interrupted while its
 frames were being written leaves the group unusable, since a worker's inbox then holds half a
@@ -35,6 +41,7 @@ import select
 import selectors
 import signal
 import socket
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,7 +54,7 @@ from accelnb.kernel.failure_report import exception_failure, exit_failure
 from accelnb.kernel.helper_client import StepHook, WorkerExit, WorkerHelper
 from accelnb.kernel.output import OutputRouter
 from accelnb.kernel.planning import LaunchPlan
-from accelnb.kernel.stacks import clean_stack_dump
+from accelnb.kernel.stacks import clean_stack_dump, split_stack_dump
 from accelnb.wire.channel import MessageReader, encode, write_all
 from accelnb.wire.events import CallError, CallResult, Joined, MetricBatch, RunCall, Shutdown
 from accelnb.wire.spec import WorkerSpec
@@ -58,6 +65,7 @@ FAILURE_GRACE_S = 3.0
 INTERRUPT_GRACE_S = 1.5
 ANSWER_WAIT_S = 1.0  # persistent sessions: how long the other ranks get to answer after a failure
 STACK_DUMP_WAIT_S = 1.0
+STACK_DUMP_QUIET_S = 0.1  # a live dump is complete once every rank wrote one and this long passed silent
 SHUTDOWN_WAIT_S = 10.0  # finished workers leave on Shutdown; past this they are stopped
 KILL_WAIT_S = 5.0  # after SIGKILL: how long until the helper reports the exits
 BURY_WAIT_S = 1.0  # the helper died: how long its workers may take to be gone
@@ -109,6 +117,19 @@ class _Answers:
         return set(self.values) | {f.rank for f in self.failures}
 
 
+@dataclass
+class _StackRequest:
+    """A live stack dump asked for by some thread, served by whichever thread pumps the pipes."""
+
+    wait: float
+    done: threading.Event = field(default_factory=threading.Event)
+    ranks: list[int] = field(default_factory=list)  # signalled; empty until the request is served
+    deadline: float = 0.0
+    last_held: int = -1  # bytes of held stderr last seen, to tell when the dumps went quiet
+    quiet_since: float = 0.0
+    stacks: dict[int, str] = field(default_factory=dict)
+
+
 class WorkerGroup:
     """The live workers of one plan.
 
@@ -139,6 +160,10 @@ class WorkerGroup:
         self._call_phase: CallPhase = "unsent"
         self._helper_death: HelperExit | None = None
         self._hooks_ran_at = float("-inf")
+        self._driving = threading.RLock()  # held by whoever reads the pipes: a call, a shutdown, a stack request
+        self._stack_request: _StackRequest | None = None
+        self._one_stack_request = threading.Lock()
+        self._between_calls = _Answers(None)  # what a self-served stack request saw between calls
 
     @property
     def usable(self) -> bool:
@@ -216,7 +241,8 @@ class WorkerGroup:
     def _publish_run(self) -> None:
         self.run = run_state.RunState(
             run_id=run_state.next_run_id(),
-            ranks=[run_state.RankState(w.rank, w.spec.device, "starting", w.pid) for w in self.workers])
+            ranks=[run_state.RankState(w.rank, w.spec.device, "starting", w.pid) for w in self.workers],
+            collect_stacks=self.collect_stacks)
         for worker, state in zip(self.workers, self.run.ranks, strict=True):
             worker.state = state
         run_state.begin_run(self.run)
@@ -243,8 +269,15 @@ class WorkerGroup:
         workers are still there for another call (persistent sessions): they are when every rank
         answered, even with an exception; otherwise every worker has been stopped.
         """
+        with self._driving:
+            return self._call(payload, value_ranks, timeout)
+
+    def _call(self, payload: bytes, value_ranks: set[int], timeout: float | None) -> CallOutcome:
         self._call_ids += 1
         answers = _Answers(self._call_ids)
+        # A rank that died while a stack request pumped between calls is this call's root cause.
+        answers.failures.extend(self._between_calls.failures)
+        self._between_calls.failures.clear()
         self._call_phase = "unsent"
         source: StopSource = "interrupt"
         ending: Ending
@@ -365,6 +398,7 @@ class WorkerGroup:
                 ended = self.helper.take_exit(worker.pid)
                 if ended is not None:
                     self._on_exit(worker, ended, answers)
+        self._serve_stack_request()
         self.output.tick()
 
     def _read(self, worker: _Worker, name: str, fd: int, answers: _Answers) -> bool:
@@ -492,9 +526,77 @@ class WorkerGroup:
             self._pump(WAIT_SLICE_S, scratch)
         return {w.rank: clean_stack_dump(self.output.text_since(w.rank, marks[w.rank])) for w in self.workers}
 
+    # ── live stacks ─────────────────────────────────────────────────────────────────────────
+    def collect_stacks(self, wait: float = STACK_DUMP_WAIT_S) -> dict[int, str]:
+        """Every live rank's current Python stacks, cleaned, without stopping anything.
+
+        Safe from any thread. Returns within about ``wait`` s (sooner once every dump is in);
+        a rank whose dump did not arrive in time (blocked in C code with the GIL held) maps to
+        an empty string. A group that is closed returns ``{}``.
+        """
+        with self._one_stack_request:
+            if self.closed:
+                return {}
+            request = _StackRequest(wait)
+            self._stack_request = request
+            try:
+                # A call's wait loop serves it within one slice; with no call running, nobody
+                # reads the pipes, so this thread does, once it may drive the group.
+                while not request.done.wait(WAIT_SLICE_S):
+                    if self._driving.acquire(blocking=False):
+                        try:
+                            self._serve_until_done(request)
+                        finally:
+                            self._driving.release()
+            finally:
+                self._stack_request = None
+            return request.stacks
+
+    def _serve_until_done(self, request: _StackRequest) -> None:
+        while not request.done.is_set():
+            if self.closed:
+                self._finish_stack_request(request)
+                return
+            self._pump(WAIT_SLICE_S, self._between_calls)
+
+    def _serve_stack_request(self) -> None:
+        """Called on every pump: start the pending request, or finish it once its dumps are in."""
+        request = self._stack_request
+        if request is None or request.done.is_set():
+            return
+        now = time.monotonic()
+        if not request.ranks:
+            request.ranks = [w.rank for w in self.workers if w.alive]
+            self.output.hold_stderr(request.ranks)
+            for worker in self.workers:
+                if worker.alive:
+                    _signal_pid(worker.pid, signal.SIGUSR1)
+            request.deadline = now + request.wait
+            if not request.ranks:
+                self._finish_stack_request(request)
+            return
+        held = [self.output.held_stderr(rank) for rank in request.ranks]
+        size = sum(len(text) for text in held)
+        if size != request.last_held:
+            request.last_held, request.quiet_since = size, now
+        every_rank_dumped = all("most recent call first" in text for text in held)
+        if now >= request.deadline or (every_rank_dumped and now - request.quiet_since >= STACK_DUMP_QUIET_S):
+            self._finish_stack_request(request)
+
+    def _finish_stack_request(self, request: _StackRequest) -> None:
+        for rank, text in self.output.release_stderr().items():
+            dump, own_output = split_stack_dump(text)
+            request.stacks[rank] = clean_stack_dump(dump)
+            self.output.show(rank, "stderr", own_output)  # the rank's own stderr still reaches the cell
+        request.done.set()
+
     # ── ending ──────────────────────────────────────────────────────────────────────────────
     def shutdown(self) -> None:
         """End workers that finished their work: ask nicely, then make sure. Frees every fd."""
+        with self._driving:
+            self._shutdown()
+
+    def _shutdown(self) -> None:
         if self.closed:
             return
         try:
@@ -513,6 +615,10 @@ class WorkerGroup:
 
     def close(self) -> None:
         """Free every fd. A worker still running is killed first: nothing outlives its group."""
+        with self._driving:
+            self._close()
+
+    def _close(self) -> None:
         if self.closed:
             return
         self.closed = True

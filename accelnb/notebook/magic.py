@@ -8,11 +8,11 @@
     final_accuracy                                       # rank 0's value is the cell's result
 
     %distributed start --procs 2        # a persistent session: the next cells run on its workers
-    %distributed status | stop | restart [--procs 3] | panel
+    %distributed status | stop | restart [--procs 3] | panel | doctor
 
 Each form has its own grammar, as ipyparallel's magics do: the cell form takes every launch
 option plus ``--return``; ``start`` and ``restart`` take the options that place ranks; ``stop``,
-``status`` and ``panel`` take nothing, so ``%distributed stop --gpus 0`` is a usage error rather
+``status``, ``panel`` and ``doctor`` take nothing, so ``%distributed stop --gpus 0`` is a usage error rather
 than silently ignored. The flags, their choices and their help are generated from
 :class:`accelnb.options.LaunchOptions`, and parsing ends in one: the magic cannot drift from the API.
 
@@ -37,6 +37,7 @@ from IPython.core.magic_arguments import MagicArgumentParser
 
 from accelnb.errors import LaunchConfigError, UnpicklableError
 from accelnb.kernel.byte_sizes import human_bytes, parse_byte_size
+from accelnb.kernel.doctor import doctor
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.payload import check_picklable
 from accelnb.launcher import launch_with, plan_launch
@@ -106,7 +107,7 @@ CELL_GRAMMAR.add_argument("--return-limit", dest="return_limit", default=None, m
 START_GRAMMAR = _option_parser("distributed start",
                                "Start a persistent session (restart: stop it, then start it again "
                                "with the same options, or with these).", ("start",))
-COMMANDS = ("start", "stop", "status", "restart", "panel")
+COMMANDS = ("start", "stop", "status", "restart", "panel", "doctor")
 
 
 def parse_cell_line(line: str) -> tuple[dict[str, Any], CellReturns]:
@@ -156,7 +157,8 @@ class DistributedMagics(Magics):
         ``local_rank``, ``world_size``, ``device`` (the rank's planned device).
         Line: ``%distributed start --procs 2`` keeps workers (and their variables) alive for the
         next cells; ``%distributed status``; ``%distributed stop``; ``%distributed restart`` (the
-        same options, or new ones); ``%distributed panel`` shows the GPU picker.
+        same options, or new ones); ``%distributed panel`` shows the GPU picker;
+        ``%distributed doctor`` checks the machine (shm, file limit, NCCL variables, GPUs, ports).
         """
         if cell is not None:
             given, returns = parse_cell_line(line)
@@ -293,6 +295,8 @@ class DistributedMagics(Magics):
             from accelnb.notebook.panel import show_panel
 
             return show_panel()
+        elif command == "doctor":
+            doctor()  # prints the table; the line returns nothing, so the cell does not repeat it
         return None
 
     def _stop(self) -> None:

@@ -1,0 +1,125 @@
+"""Live stacks: every rank's current Python stack while it runs, nothing stopped.
+
+Real worker processes on CPU. Each rank blocks in a function with a known name; the tests wait
+on something real (the file each rank writes once it is there), never on a sleep.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import accelnb
+from accelnb import LaunchConfigError, Session
+from accelnb.kernel import run_state
+from accelnb.kernel.stacks import split_stack_dump
+from tests.conftest import worker_processes
+
+READY_WAIT_S = 60.0
+
+
+def waiting_in_a_known_place(marker_dir: str, release_file: str) -> int:
+    """Say "I am here" with a file, then wait until the test releases us (a file appears)."""
+    import time
+
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    Path(marker_dir, f"rank{rank}").write_text(str(os.getpid()))
+    while not os.path.exists(release_file):  # polling a file: the rank must not need the kernel
+        time.sleep(0.01)
+    return rank
+
+
+def _wait_for_markers(marker_dir: Path, ranks: int) -> None:
+    """Block until every rank wrote its marker file (a bounded poll of that condition)."""
+    deadline = time.monotonic() + READY_WAIT_S
+    while len(list(marker_dir.glob("rank*"))) < ranks:
+        assert time.monotonic() < deadline, "the ranks never reached the known place"
+        threading.Event().wait(0.02)
+
+
+def _assert_every_rank_in_the_known_place(dump: dict[int, str]) -> None:
+    assert set(dump) == {0, 1}, dump
+    for rank, text in dump.items():
+        assert "waiting_in_a_known_place" in text, f"rank {rank}:\n{text}"
+        assert "accelnb/worker" not in text  # accelnb's own frames are dropped
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_stacks_of_a_launch_running_in_another_thread(tmp_path: Path) -> None:
+    markers, release = tmp_path / "markers", tmp_path / "release"
+    markers.mkdir()
+    outcome: dict[str, Any] = {}
+
+    def launch_in_background() -> None:
+        outcome["result"] = accelnb.launch(waiting_in_a_known_place, args=(str(markers), str(release)),
+                                           num_processes=2, quiet=True, output="none", timeout=120)
+
+    launcher = threading.Thread(target=launch_in_background)
+    launcher.start()
+    try:
+        _wait_for_markers(markers, 2)
+        dump = accelnb.stacks()
+        run = run_state.current_run()
+        assert run is not None and not run.finished  # nothing was stopped
+        pids_before = {p.pid for p in worker_processes()}
+    finally:
+        release.write_text("go")
+        launcher.join(120)
+    _assert_every_rank_in_the_known_place(dump)
+    assert len(pids_before) == 2
+    assert outcome["result"].values == {0: 0, 1: 1}  # the run went on and finished normally
+    print(f"\n{accelnb.stacks.__name__}() of a running launch:\n{dump}")
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_stacks_of_a_session_between_cells(tmp_path: Path) -> None:
+    markers, release = tmp_path / "markers", tmp_path / "release"
+    markers.mkdir()
+    with Session.start(num_processes=2, quiet=True) as session:
+        outcome: dict[str, Any] = {}
+        caller = threading.Thread(target=lambda: outcome.update(
+            result=session.run(waiting_in_a_known_place, args=(str(markers), str(release)), output="none")))
+        caller.start()  # a call in progress in another thread: that thread serves the request
+        try:
+            _wait_for_markers(markers, 2)
+            during_call = session.stacks()
+        finally:
+            release.write_text("go")
+            caller.join(120)
+        _assert_every_rank_in_the_known_place(during_call)
+        assert outcome["result"].values == {0: 0, 1: 1}
+
+        between_cells = accelnb.stacks()  # nobody pumps now: this thread reads the dumps itself
+        assert set(between_cells) == {0, 1}
+        assert all("waiting_in_a_known_place" not in text for text in between_cells.values())
+        assert all("most recent call first" in text for text in between_cells.values()), between_cells
+        assert session.alive
+        assert session.run(os.getpid).values.keys() == {0, 1}  # still usable afterwards
+
+
+def test_stacks_with_nothing_running_says_how_to_use_it() -> None:
+    run = run_state.current_run()
+    if run is not None and not run.finished:
+        pytest.skip("a run from another test is still in progress")
+    with pytest.raises(LaunchConfigError, match="No launch or session is running"):
+        accelnb.stacks()
+
+
+def test_a_live_dump_is_told_apart_from_the_ranks_own_stderr() -> None:
+    text = ("warning: slow step\n"
+            "Thread 0x00007f01 (most recent call first):\n"
+            '  File "/x/threading.py", line 327 in wait\n'
+            "\n"
+            "Current thread 0x00007f02 (most recent call first):\n"
+            '  File "<cell 3>", line 2 in train\n'
+            "epoch 3 done\n")
+    dump, rest = split_stack_dump(text)
+    assert rest == "warning: slow step\nepoch 3 done\n"
+    assert dump.count("most recent call first") == 2 and "in train" in dump and "epoch" not in dump
