@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from accelnb.wire.buffers import Packed
 from accelnb.wire.result_pickling import dumps_for_kernel
 
 _namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
@@ -43,9 +44,9 @@ class CellRequest:
 
 @dataclass
 class CellOutcome:
-    last_value: bytes | None = None  # pickled for the kernel
+    last_value: Packed | None = None  # pickled for the kernel; its buffers travel in shared memory
     last_value_repr: str | None = None  # when the value does not pickle
-    returned: dict[str, bytes] = field(default_factory=dict)
+    returned: dict[str, Packed] = field(default_factory=dict)
     not_returned: dict[str, str] = field(default_factory=dict)  # name → why
     unwrapped: list[str] = field(default_factory=list)  # DDP models sent back as their .module
 
