@@ -23,6 +23,7 @@ import ctypes
 import mmap
 import os
 from collections.abc import Sequence
+from typing import Any
 
 ALIGNMENT = 64  # every buffer starts on a cache line: any dtype is aligned, SIMD loads are whole
 WRITE_CHUNK_BYTES = 1 << 30  # pwrite may write less than asked for; never ask for more than this
@@ -78,8 +79,8 @@ def _map_private(fd: int, size: int) -> memoryview:
         error = ctypes.get_errno()
         raise OSError(error, f"could not map {size} bytes of shared memory: {os.strerror(error)}")
     # A ctypes array over the pages owns them: views hold it, and the last one to go unmaps.
-    region_type = type("PrivateMapping", (ctypes.c_char * size,),
-                       {"__del__": lambda self, at=address, length=size: libc.munmap(at, length)})
+    region_type: Any = type("PrivateMapping", (ctypes.c_char * size,),
+                            {"__del__": lambda self, at=address, length=size: libc.munmap(at, length)})
     return memoryview(region_type.from_address(address)).cast("B")
 
 
