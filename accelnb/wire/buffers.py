@@ -21,12 +21,21 @@ the wrong device anyway. Tensors of other layouts (sparse, quantized, nested) an
 other than ``Parameter`` go through torch's own pickling. A view ships its whole storage, as
 torch's own pickling does.
 
-Numbers (2-core VM, 2 ranks, see ``benchmarks/RESULTS.md``, issue 12): a 256 MiB tensor went in
-through cloudpickle and the inbox pipes in ~5 s and came back in ~2–3 s; through shared memory
-the copy into the memfd costs about one memcpy (~0.1 s) and the ranks map it for free. Small
-frames stay inline: a frame of 64 KiB of buffers costs ~0.2 ms through the socket and ~0.3 ms
-through a memfd (create, write, send the fd, map, unmap); at 1 MiB both are ~0.5 ms; from 4 MiB
-the memfd wins clearly (1.2 vs 2.5 ms), hence ``channel.INLINE_LIMIT_BYTES`` = 1 MiB.
+Numbers (2-core VM shared with other jobs; benchmarks/bench_data.py and RESULTS.md, issue 12):
+before this, a 256 MiB tensor went in through cloudpickle and each rank's inbox pipe in ~11 s
+(Accelerate's fork: 0.35 s) and came back in ~5.7 s; now the kernel copies it once into a memfd
+(about one memcpy) and the ranks map it. Where inline stops paying, one frame's round trip
+(encode, send, receive, rebuild, read every byte; medians of 30, machine under load):
+
+    buffers   inline     memfd
+     64 KiB   0.22 ms    0.24 ms
+    256 KiB   6.2 ms     7.2 ms
+      1 MiB   10.3 ms    7.6 ms
+      4 MiB   49 ms      28 ms
+     16 MiB   203 ms     57 ms
+
+hence ``channel.INLINE_LIMIT_BYTES`` = 1 MiB: below it a memfd (create, write, pass the fd, map,
+unmap) costs more than the copy through the socket it saves.
 """
 
 from __future__ import annotations
