@@ -64,8 +64,24 @@ class Packed:
         return sum(memoryview(buffer).nbytes for buffer in self.buffers)
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        if protocol < 5:  # pickled by someone else (a RankFailure the user pickles): plain copies
+            return _unpacked, (self.body, *(bytearray(_raw(b)) for b in self.buffers))
         # The buffers stay out of band in the message that carries us, too.
         return _unpacked, (self.body, *(pickle.PickleBuffer(b) for b in self.buffers))
+
+    def __eq__(self, other: object) -> bool:
+        """The same pickle and the same bytes (a pickled and unpickled copy is equal)."""
+        if not isinstance(other, Packed):
+            return NotImplemented
+        return self.body == other.body and len(self.buffers) == len(other.buffers) and all(
+            _raw(a) == _raw(b) for a, b in zip(self.buffers, other.buffers, strict=True))
+
+    __hash__ = None  # type: ignore[assignment]  # mutable buffers: not hashable
+
+
+def _raw(buffer: Any) -> memoryview:
+    """A buffer's bytes, flat (a PickleBuffer of a Fortran-ordered array included)."""
+    return buffer.raw() if isinstance(buffer, pickle.PickleBuffer) else memoryview(buffer).cast("B")
 
 
 def _unpacked(body: bytes, *buffers: Any) -> Packed:
