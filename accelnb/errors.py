@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 if TYPE_CHECKING:
     from accelnb.kernel.metrics_history import MetricHistory
+    from accelnb.wire.buffers import Packed
 
 
 FailureKind = Literal["exception", "signal", "exit", "stopped", "timeout"]
@@ -52,7 +53,7 @@ class RankFailure:
     exit_code: int | None = None
     signal_name: str | None = None
     type_name: str | None = None
-    exception: bytes | None = field(default=None, repr=False)
+    exception: Packed | None = field(default=None, repr=False)
     output_tail: str = ""
     timestamp: float = field(default_factory=time.time)
     in_setup: bool = False  # failed in accelnb's set-up of the worker, before the function ran

@@ -30,6 +30,7 @@ from accelnb.kernel.helper_client import running_helper_pid, shared_helper, shut
 from accelnb.kernel.inventory import Inventory
 from accelnb.kernel.payload import pack_call
 from accelnb.kernel.runs import run_on_group, start_workers
+from accelnb.wire.buffers import Packed
 from tests.conftest import wait_until_no_workers, worker_processes
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -123,7 +124,7 @@ def cpu_plan() -> planning.LaunchPlan:
     return planning.plan(None, 2, inventory=Inventory(source="none"), cpu=True)
 
 
-def run_like_launch(payload: bytes, *, on_step: Callable[[str], None] | None = None,
+def run_like_launch(payload: Packed, *, on_step: Callable[[str], None] | None = None,
                     persistent: bool = False, timeout: float | None = None) -> accelnb.LaunchResult:
     """What ``accelnb.launch`` does with a packed call, with the engine's step hook injected."""
     group = start_workers(cpu_plan(), None, persistent=persistent, quiet=True, on_step=on_step)

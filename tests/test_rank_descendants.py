@@ -25,13 +25,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-import cloudpickle
 import psutil
 import pytest
 
 import accelnb
 from accelnb.kernel import helper_client
-from accelnb.wire.channel import MessageReader, encode
+from accelnb.wire.buffers import dump
+from accelnb.wire.channel import MessageReader, encode, send_frame
 from accelnb.wire.events import CallError, CallResult, MetricBatch, RunCall, Shutdown
 from accelnb.wire.result_pickling import loads_in_kernel
 from accelnb.wire.spec import WorkerSpec
@@ -249,7 +249,8 @@ def test_the_helper_reports_a_rank_ended_only_once_what_it_started_is_gone() -> 
     started are already gone. And the helper reports its workers' exits, not the orphans it reaps."""
     helper = PrivateHelper()
     store = socket.create_server(("127.0.0.1", 0))
-    pipes = [os.pipe() for _ in range(4)]  # stdout, stderr, events, inbox
+    # stdout, stderr (pipes), events, inbox (stream sockets, as the supervisor wires them)
+    pipes = [os.pipe(), os.pipe(), *(tuple(s.detach() for s in socket.socketpair()) for _ in range(2))]
     theirs = [pipes[0][1], pipes[1][1], pipes[2][1], pipes[3][0], store.fileno()]
     try:
         socket.send_fds(helper.sock, [pickle.dumps(("spawn", 1, [one_rank_spec(store.getsockname()[1])]))],
@@ -259,13 +260,14 @@ def test_the_helper_reports_a_rank_ended_only_once_what_it_started_is_gone() -> 
         for fd in theirs[:-1]:
             os.close(fd)
         store.close()  # the worker holds the store's socket now
-        events, inbox = pipes[2][0], pipes[3][1]
+        events, inbox = pipes[2][0], socket.socket(fileno=os.dup(pipes[3][1]))
         for target in (detach_sleep, double_fork_sleep):
-            os.write(inbox, encode(RunCall(len(pids), cloudpickle.dumps((target, (), {})), want_value=True)))
+            send_frame(inbox, encode(RunCall(len(pids), dump((target, (), {})), frozenset({0}))))
         results = read_events(events, count=2 + 1)  # Joined, then one result per call
         detached = [loads_in_kernel(r.value) for r in results if isinstance(r, CallResult)]
         started = [(pid, psutil.Process(pid).create_time()) for pid in detached]
-        os.write(inbox, encode(Shutdown()))
+        send_frame(inbox, encode(Shutdown()))
+        inbox.close()
         message = helper.receive(60.0)
         still_running = [pid for pid, at in started if is_running(pid, at)]
         end_leftovers(started)
@@ -287,8 +289,8 @@ def read_events(fd: int, count: int) -> list[Any]:
     deadline = time.monotonic() + REPORT_WAIT_S
     while len(events) < count:
         assert select.select([fd], [], [], max(0.0, deadline - time.monotonic()))[0], events
-        chunk = os.read(fd, 1 << 16)
-        assert chunk, f"the worker closed its events pipe after {events}"
+        chunk = os.read(fd, 1 << 16)  # small events: no fd comes with them
+        assert chunk, f"the worker closed its events socket after {events}"
         events.extend(e for e in reader.feed(chunk) if not isinstance(e, MetricBatch))
     assert not any(isinstance(e, CallError) for e in events), events
     return events

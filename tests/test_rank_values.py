@@ -209,7 +209,8 @@ def test_a_worker_whose_set_up_fails_reports_the_cause() -> None:
     spec = WorkerSpec(rank=0, local_rank=0, world_size=1, device="cpu", backend="gloo",
                       env={"ACCELNB_TEST_BROKEN": "nul\0byte"}, master_addr="127.0.0.1", master_port=1,
                       cwd=os.getcwd(), sys_path=list(sys.path))
-    pipes = [os.pipe() for _ in range(4)]  # stdout, stderr, events, inbox
+    # stdout, stderr (pipes), events, inbox (stream sockets, as the supervisor wires them)
+    pipes = [os.pipe(), os.pipe(), *(tuple(s.detach() for s in socket.socketpair()) for _ in range(2))]
     ours = [pipes[0][0], pipes[1][0], pipes[2][0], pipes[3][1]]
     theirs = [pipes[0][1], pipes[1][1], pipes[2][1], pipes[3][0]]
     try:

@@ -41,6 +41,7 @@ from accelnb.kernel.launch_result import Attempt, LaunchResult
 from accelnb.kernel.output import notebook_sink
 from accelnb.kernel.runs import MetricRoute, OutputMode, run_on_group
 from accelnb.kernel.supervisor import WorkerGroup
+from accelnb.wire.buffers import Packed
 
 GroupStarter = Callable[[int], WorkerGroup]  # restart_count -> a started group
 Notice = Callable[[str], None]
@@ -51,7 +52,7 @@ def print_notice(text: str) -> None:
     notebook_sink("stdout", text + "\n")
 
 
-def run_attempts(start: GroupStarter, payload: bytes, *, collect: Literal["rank0", "all"], output: OutputMode,
+def run_attempts(start: GroupStarter, payload: Packed, *, collect: Literal["rank0", "all"], output: OutputMode,
                  timeout: float | None, metrics: MetricRoute, max_restarts: int, restart_delay: float,
                  notice: Notice = print_notice) -> LaunchResult:
     """Run ``payload`` on a group from ``start``; on a rank's failure start a fresh one, up to

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from accelnb.errors import RankFailure
+from accelnb.wire.buffers import Packed
 
 # answered: every rank returned (values for the ranks that were asked for one);
 # failed: a rank raised, crashed or exited early;
@@ -47,7 +48,7 @@ class CallOutcome:
     """One call's ending, what came back, and what accelnb had to stop."""
 
     ending: Ending
-    values: dict[int, bytes | None] = field(default_factory=dict)  # rank -> pickled value
+    values: dict[int, Packed | None] = field(default_factory=dict)  # rank -> pickled value
     failures: list[RankFailure] = field(default_factory=list)  # in arrival order; unsorted
     stopped: list[int] = field(default_factory=list)  # ranks accelnb ended that had not failed
     stacks: dict[int, str] = field(default_factory=dict)  # timed_out: each rank's Python stack

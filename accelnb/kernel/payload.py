@@ -1,7 +1,9 @@
 """Packing the user's function and arguments for the trip to the workers, with precise errors.
 
-cloudpickle carries functions, lambdas, closures and classes defined in notebook cells by value.
-When something cannot travel, the error names exactly which argument (or which global the
+cloudpickle carries functions, lambdas, closures and classes defined in notebook cells by value;
+tensors and arrays are left out of the pickle, to be written once into shared memory for every
+rank (``wire/buffers.py``); a CUDA tensor travels as a CPU copy. When something cannot travel,
+the error names exactly which argument (or which global the
 function uses) is at fault and what type it is, before any process starts.
 """
 
@@ -11,16 +13,15 @@ import inspect
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-import cloudpickle
-
 from accelnb.errors import LaunchConfigError, UnpicklableError
+from accelnb.wire.buffers import Packed, dump
 
 _HINT = ("Create it inside the function instead (workers are separate processes), or pass "
          "something that can be pickled, such as a file path or a config dict.")
 
 
-def pack_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> bytes:
-    """cloudpickle ``(fn, args, kwargs)`` or raise :class:`UnpicklableError` naming the culprit."""
+def pack_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any]) -> Packed:
+    """Pack ``(fn, args, kwargs)`` (no copy of big buffers) or raise :class:`UnpicklableError` naming the culprit."""
     if not callable(fn):
         raise LaunchConfigError(
             f"The function to launch must be callable, got {type(fn).__name__} {fn!r}. "
@@ -30,14 +31,14 @@ def pack_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, 
             f"args must be a tuple of positional arguments, got {type(args).__name__}. "
             "For one argument write args=(value,).")
     try:
-        return cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
+        return dump((fn, tuple(args), dict(kwargs)))
     except Exception as error:
         raise _find_culprit(fn, args, kwargs, error) from None
 
 
 def check_picklable(what: str, value: Any, hint: str = _HINT) -> None:
     try:
-        cloudpickle.dumps(value)
+        dump(value)
     except Exception as error:
         raise UnpicklableError(what, value, _reason(error), hint) from None
 
@@ -46,17 +47,17 @@ def _find_culprit(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[s
                   error: Exception) -> UnpicklableError:
     for index, value in enumerate(args):
         try:
-            cloudpickle.dumps(value)
+            dump(value)
         except Exception as inner:
             return UnpicklableError(f"Argument {index} (args[{index}])", value, _reason(inner), _HINT)
     for name, value in kwargs.items():
         try:
-            cloudpickle.dumps(value)
+            dump(value)
         except Exception as inner:
             return UnpicklableError(f"Keyword argument {name!r}", value, _reason(inner), _HINT)
     for name, value in _referenced_names(fn).items():
         try:
-            cloudpickle.dumps(value)
+            dump(value)
         except Exception as inner:
             return UnpicklableError(
                 f"The name {name!r}, which {getattr(fn, '__name__', 'the function')} uses,",

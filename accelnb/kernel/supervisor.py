@@ -1,8 +1,9 @@
 """Owns the worker processes of one launch (or one persistent session), and nothing else.
 
-:class:`WorkerGroup` asks the helper to fork one worker per rank, wires four pipes to each
-(stdout, stderr, events, inbox), and then waits in the launching thread, multiplexing every pipe
-and the helper's reports with one selector. While it waits it feeds output to the
+:class:`WorkerGroup` asks the helper to fork one worker per rank, wires four channels to each
+(stdout and stderr pipes; events and inbox ``AF_UNIX`` stream sockets, which carry the memfds
+of big buffers, see ``wire/channel.py``), and then waits in the launching thread, multiplexing
+every channel and the helper's reports with one selector. While it waits it feeds output to the
 :class:`~accelnb.kernel.output.OutputRouter`, metrics to their sink, and rank states to ``run_state``.
 
     >>> group = WorkerGroup(plan, shared_helper(), router)                  # doctest: +SKIP
@@ -55,7 +56,8 @@ from accelnb.kernel.helper_client import StepHook, WorkerExit, WorkerHelper
 from accelnb.kernel.output import OutputRouter
 from accelnb.kernel.planning import LaunchPlan
 from accelnb.kernel.stacks import clean_stack_dump, split_stack_dump
-from accelnb.wire.channel import MessageReader, encode, write_all
+from accelnb.wire.buffers import Packed
+from accelnb.wire.channel import MessageReader, encode, receive_chunk, send_frame
 from accelnb.wire.events import CallError, CallResult, Joined, MetricBatch, RunCall, Shutdown
 from accelnb.wire.spec import WorkerSpec
 
@@ -82,9 +84,9 @@ class _Worker:
     pid: int = 0
     stdout_fd: int = -1
     stderr_fd: int = -1
-    events_fd: int = -1
-    inbox_fd: int = -1
-    events: MessageReader = field(default_factory=MessageReader)
+    events: socket.socket | None = None  # non-blocking, read by the selector loop
+    inbox: socket.socket | None = None  # blocking: a call's frame goes out whole
+    event_reader: MessageReader = field(default_factory=MessageReader)
     exit_code: int | None = None
     joined: bool = False  # it joined the process group: an exit from now on is not a set-up failure
     state: run_state.RankState | None = None
@@ -98,8 +100,17 @@ class _Worker:
     def alive(self) -> bool:
         return self.exit_code is None
 
-    def kernel_fds(self) -> list[int]:
-        return [fd for fd in (self.stdout_fd, self.stderr_fd, self.events_fd, self.inbox_fd) if fd >= 0]
+    @property
+    def events_fd(self) -> int:
+        return self.events.fileno() if self.events is not None else -1
+
+    def close_channels(self) -> None:
+        for fd in (self.stdout_fd, self.stderr_fd):
+            _close_quietly(fd)
+        for sock in (self.events, self.inbox):
+            if sock is not None:
+                sock.close()
+        self.event_reader.close()  # fds of a frame that never arrived whole
 
 
 @dataclass
@@ -107,7 +118,7 @@ class _Answers:
     """What came back for one call (``call_id`` None: while stopping, between calls)."""
 
     call_id: int | None
-    values: dict[int, bytes | None] = field(default_factory=dict)
+    values: dict[int, Packed | None] = field(default_factory=dict)
     failures: list[RankFailure] = field(default_factory=list)
 
     def has_failed(self, rank: int) -> bool:
@@ -204,11 +215,11 @@ class WorkerGroup:
             store_socket.close()  # rank 0 holds it now; when rank 0 ends, the port is free
 
     def _open_pipes(self, spec: WorkerSpec) -> list[int]:
-        """The worker's four pipes; returns the ends it gets (stdout, stderr, events, inbox)."""
+        """The worker's four channels; returns the ends it gets (stdout, stderr, events, inbox)."""
         worker = _Worker(spec)
         self.workers.append(worker)
         theirs: list[int] = []
-        for name in ("stdout", "stderr", "events"):
+        for name in ("stdout", "stderr"):
             read_end, write_end = os.pipe()
             setattr(worker, f"{name}_fd", read_end)
             self._worker_ends.append(write_end)
@@ -216,12 +227,15 @@ class WorkerGroup:
             self._step("pipe-opened")
             _enlarge(read_end)
             os.set_blocking(read_end, False)
-        inbox_read, inbox_write = os.pipe()
-        worker.inbox_fd = inbox_write
-        self._worker_ends.append(inbox_read)
-        theirs.append(inbox_read)
-        self._step("pipe-opened")
-        _enlarge(inbox_write)
+        for name in ("events", "inbox"):
+            ours, their_socket = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            setattr(worker, name, ours)
+            their_end = their_socket.detach()  # a plain fd from now on: _worker_ends owns it
+            self._worker_ends.append(their_end)
+            theirs.append(their_end)
+            self._step("pipe-opened")
+        assert worker.events is not None
+        worker.events.setblocking(False)
         return theirs
 
     def _close_worker_ends(self) -> None:
@@ -261,8 +275,8 @@ class WorkerGroup:
             self.close()
 
     # ── running a call ──────────────────────────────────────────────────────────────────────
-    def call(self, payload: bytes, value_ranks: set[int], timeout: float | None) -> CallOutcome:
-        """Run one cloudpickled call on every rank and report how it ended.
+    def call(self, payload: Packed, value_ranks: set[int], timeout: float | None) -> CallOutcome:
+        """Run one packed call on every rank and report how it ended.
 
         Neither a failure of the ranks nor an interrupt raises here: both are in the outcome,
         after every worker that had to go is gone. Afterwards :attr:`usable` says whether the
@@ -272,7 +286,7 @@ class WorkerGroup:
         with self._driving:
             return self._call(payload, value_ranks, timeout)
 
-    def _call(self, payload: bytes, value_ranks: set[int], timeout: float | None) -> CallOutcome:
+    def _call(self, payload: Packed, value_ranks: set[int], timeout: float | None) -> CallOutcome:
         self._call_ids += 1
         answers = _Answers(self._call_ids)
         # A rank that died while a stack request pumped between calls is this call's root cause.
@@ -296,20 +310,21 @@ class WorkerGroup:
         return self._conclude(CallOutcome(ending, answers.values, answers.failures, timeout=timeout,
                                           phase=self._call_phase, stop_source=source), answers)
 
-    def _send_call(self, call_id: int | None, payload: bytes, value_ranks: set[int]) -> None:
+    def _send_call(self, call_id: int | None, payload: Packed, value_ranks: set[int]) -> None:
+        """One frame for all ranks: its big buffers are written once, each rank maps them."""
         assert call_id is not None
-        for worker in self.workers:
-            if not worker.alive:
-                continue
-            frame = encode(RunCall(call_id, payload, worker.rank in value_ranks))
-            self._step("call-writing")
-            self._call_phase = "sending"
-            self._inbox_half_written = True  # until the whole frame is out
-            try:
-                write_all(worker.inbox_fd, frame, self._after_inbox_write)
-            except BrokenPipeError:
-                pass  # it died already; its exit report explains why
-            self._inbox_half_written = False
+        with encode(RunCall(call_id, payload, frozenset(value_ranks))) as frame:
+            for worker in self.workers:
+                if not worker.alive or worker.inbox is None:
+                    continue
+                self._step("call-writing")
+                self._call_phase = "sending"
+                self._inbox_half_written = True  # until the whole frame is out
+                try:
+                    send_frame(worker.inbox, frame, self._after_inbox_write)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # it died already; its exit report explains why
+                self._inbox_half_written = False
         self._step("call-sent")
 
     def _after_inbox_write(self, bytes_left: int) -> None:
@@ -403,15 +418,22 @@ class WorkerGroup:
 
     def _read(self, worker: _Worker, name: str, fd: int, answers: _Answers) -> bool:
         """Read one chunk if there is one; True when data came (more may follow)."""
+        fds: list[int] = []
         try:
-            chunk = os.read(fd, 1 << 20)
+            if name == "events":
+                assert worker.events is not None
+                chunk, fds = receive_chunk(worker.events)
+            else:
+                chunk = os.read(fd, 1 << 20)
         except BlockingIOError:
             return False
+        except ConnectionResetError:
+            chunk = b""
         if not chunk:
             self._unwatch(fd)
             return False
         if name == "events":
-            for event in worker.events.feed(chunk):
+            for event in worker.event_reader.feed(chunk, fds):
                 self._on_event(worker, event, answers)
         else:
             self.output.feed(worker.rank, name, chunk)  # type: ignore[arg-type]
@@ -603,9 +625,9 @@ class WorkerGroup:
             if not self._inbox_half_written:
                 shutdown = encode(Shutdown())
                 for worker in self.workers:
-                    if worker.alive:
+                    if worker.alive and worker.inbox is not None:
                         try:
-                            write_all(worker.inbox_fd, shutdown)
+                            send_frame(worker.inbox, shutdown)
                         except OSError:
                             pass
                 self._wait_for_exits(time.monotonic() + SHUTDOWN_WAIT_S, _Answers(None))
@@ -626,8 +648,7 @@ class WorkerGroup:
             self._kill_survivors()
         finally:
             for worker in self.workers:
-                for fd in worker.kernel_fds():
-                    _close_quietly(fd)
+                worker.close_channels()
             self._close_worker_ends()
             if self._selector is not None:
                 self._selector.close()

@@ -1,98 +1,207 @@
-"""Length-prefixed pickled messages over a pipe: the only wire format between kernel and workers.
+"""Framed pickled messages over a private ``AF_UNIX`` stream socket: the wire between kernel and workers.
 
-Pipes are private to the processes that hold their ends, so nobody else can write into them;
-that is why no authentication is needed here (see the security notes in ``worker/helper.py``).
+Each worker has two such sockets (``socketpair``, so nobody else can connect to them; that is
+why no authentication is needed, see the security notes in ``worker/helper.py``): its inbox
+(kernel → worker) and its events (worker → kernel). They are sockets, not pipes, because a frame
+may carry a file descriptor: the control plane (small pickled messages) and the data plane (big
+buffers in shared memory, ``wire/shared_memory.py``) travel together.
 
-A frame is an 8-byte big-endian length, then the pickled message. :func:`encode` makes one,
-:func:`write_all` writes any bytes to a blocking fd, and :class:`MessageWriter` does both for
-threads sharing one fd; :class:`MessageReader` (non-blocking fds) and :func:`read_message`
-(blocking fds) take frames apart again.
+A message is pickled once with protocol 5; every out-of-band buffer it holds (a
+:class:`pickle.PickleBuffer`: tensors and arrays packed by ``wire/buffers.py``, numpy arrays) is
+set aside. If they add up to less than :data:`INLINE_LIMIT_BYTES` they follow the pickle inside
+the frame; otherwise they are written once into a memfd whose fd is attached (``SCM_RIGHTS``) to
+the frame's first byte, and the receiver maps it. The same :class:`Frame` can be sent to every
+rank: one copy of the data, whatever the number of ranks.
 
-    >>> reader = MessageReader()
-    >>> reader.feed(encode(("hello", 1)) + encode("world"))
-    [('hello', 1), 'world']
+Frame: ``!Q`` length of the rest, then ``!IB`` (buffer count, placement), one ``!Q`` size per
+buffer, the pickle, and the buffers when inline. On a stream socket, fds arrive with the first
+byte of the ``sendmsg`` that carried them, so every read uses ``recvmsg`` and fds are queued in
+arrival order; frames consume them in the same order.
+
+    >>> a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    >>> send_frame(a, encode(("hello", 1)))
+    >>> MessageReceiver(b).receive()
+    ('hello', 1)
 """
 
 from __future__ import annotations
 
+import array
+import collections
 import os
 import pickle
+import socket
 import struct
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-_HEADER = struct.Struct("!Q")
-WRITE_CHUNK_BYTES = 1 << 20  # one pipe's worth (accelnb enlarges its pipes to 1 MiB)
+from accelnb.wire.shared_memory import layout_of, map_buffers, write_buffers
+
+_LENGTH = struct.Struct("!Q")
+_HEAD = struct.Struct("!IB")
+_SIZE = struct.Struct("!Q")
+_FD = array.array("i")
+_NO_BUFFERS, _INLINE, _SHARED = 0, 1, 2
+# Out-of-band bytes per frame from which a memfd beats copying through the socket (see the
+# numbers in wire/buffers.py): below it, creating, mapping and unmapping a file costs more.
+INLINE_LIMIT_BYTES = 1 << 20
+WRITE_CHUNK_BYTES = 1 << 20
+RECEIVE_BYTES = 1 << 20
+MAX_FDS_PER_READ = 64
 
 
-def encode(message: Any) -> bytes:
-    """One whole frame: header and pickled body."""
-    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
-    return _HEADER.pack(len(body)) + body
+class ProtocolError(RuntimeError):
+    """A frame that cannot be taken apart: a bug in accelnb, never the user's doing."""
 
 
-def write_all(fd: int, data: bytes, after_each_write: Callable[[int], None] | None = None) -> None:
-    """Write every byte of ``data`` to the blocking ``fd``.
+class Frame:
+    """One encoded message, ready to send to one or many sockets; :meth:`close` frees its memfd."""
+
+    def __init__(self, data: bytes, fd: int | None = None) -> None:
+        self.data = data
+        self.fd = fd
+
+    def close(self) -> None:
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            os.close(fd)
+
+    def __enter__(self) -> Frame:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def encode(message: Any, inline_limit: int = INLINE_LIMIT_BYTES) -> Frame:
+    """Pickle ``message`` once; its out-of-band buffers go inline or into one memfd."""
+    buffers: list[pickle.PickleBuffer] = []
+    body = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
+    views = [buffer.raw() for buffer in buffers]
+    sizes = [view.nbytes for view in views]
+    fd = None
+    if not views:
+        placement, tail = _NO_BUFFERS, b""
+    elif sum(sizes) < inline_limit:
+        placement, tail = _INLINE, b"".join(views)
+    else:
+        placement, tail = _SHARED, b""
+        fd, _ = write_buffers(views)
+    rest = b"".join([_HEAD.pack(len(sizes), placement), *(_SIZE.pack(s) for s in sizes), body, tail])
+    return Frame(_LENGTH.pack(len(rest)) + rest, fd)
+
+
+def send_frame(sock: socket.socket, frame: Frame, after_each_write: Callable[[int], None] | None = None) -> None:
+    """Write all of ``frame`` to the blocking ``sock``, its fd (if any) with the first byte.
 
     ``after_each_write(bytes_left)`` runs after each write: a caller that must know whether a
     frame went out whole (an interrupt can land between two writes) observes the progress here.
     """
-    view = memoryview(data)
+    view = memoryview(frame.data)
+    if frame.fd is not None:
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [frame.fd]))]
+        view = view[sock.sendmsg([view[:WRITE_CHUNK_BYTES]], rights, socket.MSG_NOSIGNAL):]
+        if after_each_write is not None:
+            after_each_write(len(view))
     while view:
-        view = view[os.write(fd, view[:WRITE_CHUNK_BYTES]):]
+        view = view[sock.send(view[:WRITE_CHUNK_BYTES], socket.MSG_NOSIGNAL):]
         if after_each_write is not None:
             after_each_write(len(view))
 
 
-class MessageWriter:
-    """Writes whole messages to a blocking fd; safe to share between threads."""
+def receive_chunk(sock: socket.socket) -> tuple[bytes, list[int]]:
+    """One read: bytes and the fds that came with them (close-on-exec). ``b""`` at end of file."""
+    # Not socket.recv_fds: it drops its flags argument, and received fds must be close-on-exec.
+    data, ancillary, flags, _ = sock.recvmsg(RECEIVE_BYTES, socket.CMSG_LEN(MAX_FDS_PER_READ * _FD.itemsize),
+                                             socket.MSG_CMSG_CLOEXEC)
+    fds = array.array("i")
+    for level, kind, payload in ancillary:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(payload[:len(payload) - len(payload) % _FD.itemsize])
+    if flags & socket.MSG_CTRUNC:
+        for fd in fds:
+            os.close(fd)
+        raise ProtocolError("more file descriptors arrived in one read than accelnb expects")
+    return data, list(fds)
 
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
+
+class MessageWriter:
+    """Sends whole messages on a blocking socket; safe to share between threads."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
         self._lock = threading.Lock()
 
     def send(self, message: Any) -> None:
-        frame = encode(message)
-        with self._lock:
-            write_all(self.fd, frame)
+        with encode(message) as frame, self._lock:
+            send_frame(self.sock, frame)
 
 
 class MessageReader:
-    """Reassembles messages from arbitrary chunks of bytes."""
+    """Reassembles messages from chunks of bytes and the fds that came with them."""
 
     def __init__(self) -> None:
         self._buffer = bytearray()
+        self._fds: collections.deque[int] = collections.deque()
 
-    def feed(self, chunk: bytes) -> list[Any]:
+    def feed(self, chunk: bytes, fds: Iterable[int] = ()) -> list[Any]:
         self._buffer += chunk
+        self._fds.extend(fds)
         messages = []
-        while len(self._buffer) >= _HEADER.size:
-            (length,) = _HEADER.unpack_from(self._buffer)
-            end = _HEADER.size + length
+        while len(self._buffer) >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(self._buffer)
+            end = _LENGTH.size + length
             if len(self._buffer) < end:
                 break
-            messages.append(pickle.loads(memoryview(self._buffer)[_HEADER.size:end]))
+            with memoryview(self._buffer) as whole:
+                messages.append(self._decode(whole[_LENGTH.size:end]))
             del self._buffer[:end]
         return messages
 
+    def close(self) -> None:
+        """Close the fds of frames that will never be read whole (the sender died mid-frame)."""
+        while self._fds:
+            os.close(self._fds.popleft())
 
-def read_message(fd: int) -> Any | None:
-    """Block until one whole message arrives on ``fd``; None at end of file."""
-    header = _read_exactly(fd, _HEADER.size)
-    if header is None:
-        return None
-    (length,) = _HEADER.unpack(header)
-    body = _read_exactly(fd, length)
-    return None if body is None else pickle.loads(body)
+    def _decode(self, frame: memoryview) -> Any:
+        count, placement = _HEAD.unpack_from(frame)
+        at = _HEAD.size
+        sizes = [_SIZE.unpack_from(frame, at + i * _SIZE.size)[0] for i in range(count)]
+        at += count * _SIZE.size
+        inline = sum(sizes) if placement == _INLINE else 0
+        body = frame[at:len(frame) - inline]
+        buffers: list[memoryview] = []
+        if placement == _INLINE:
+            at = len(frame) - inline
+            for size in sizes:  # copied: writable, and the reader's buffer moves on
+                buffers.append(memoryview(bytearray(frame[at:at + size])))
+                at += size
+        elif placement == _SHARED:
+            if not self._fds:
+                raise ProtocolError("a frame refers to shared memory, but no file descriptor came with it")
+            fd = self._fds.popleft()
+            try:
+                buffers = map_buffers(fd, layout_of(sizes))
+            finally:
+                os.close(fd)  # the mapping keeps the pages
+        return pickle.loads(body, buffers=buffers)
 
 
-def _read_exactly(fd: int, size: int) -> bytes | None:
-    parts, remaining = [], size
-    while remaining:
-        chunk = os.read(fd, min(remaining, WRITE_CHUNK_BYTES))
-        if not chunk:
-            return None
-        parts.append(chunk)
-        remaining -= len(chunk)
-    return b"".join(parts)
+class MessageReceiver:
+    """Blocking reads of whole messages from a socket (a worker's inbox)."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self._reader = MessageReader()
+        self._ready: collections.deque[Any] = collections.deque()
+
+    def receive(self) -> Any | None:
+        """The next message; None at end of file."""
+        while not self._ready:
+            data, fds = receive_chunk(self.sock)
+            if not data:
+                self._reader.close()
+                return None
+            self._ready.extend(self._reader.feed(data, fds))
+        return self._ready.popleft()

@@ -1,7 +1,7 @@
 """The small vocabulary workers and the kernel speak, one dataclass per message.
 
-Kernel → worker (the worker's inbox pipe): :class:`RunCall`, :class:`Shutdown`.
-Worker → kernel (the worker's event pipe): :class:`Joined`, :class:`CallResult`,
+Kernel → worker (the worker's inbox socket): :class:`RunCall`, :class:`Shutdown`.
+Worker → kernel (the worker's events socket): :class:`Joined`, :class:`CallResult`,
 :class:`CallError`, :class:`MetricBatch` (and its subclass :class:`ProgressBatch`).
 Output does not travel as events: it is the worker's real stdout/stderr file descriptors.
 """
@@ -10,14 +10,19 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from accelnb.wire.buffers import Packed
+
 
 @dataclass(frozen=True)
 class RunCall:
-    """Run a cloudpickled ``(fn, args, kwargs)``; send back the value if ``want_value``."""
+    """Run a packed ``(fn, args, kwargs)``; the ranks in ``value_ranks`` send back the value.
+
+    One frame for every rank (hence the set of ranks, not a flag): its buffers are written once.
+    """
 
     call_id: int
-    payload: bytes
-    want_value: bool
+    payload: Packed  # ``wire/buffers.dump`` of (fn, args, kwargs)
+    value_ranks: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -42,7 +47,7 @@ class CallResult:
 
     rank: int
     call_id: int
-    value: bytes | None  # the return value (``result_pickling.dumps_for_kernel``), None when not wanted
+    value: Packed | None  # the return value (``result_pickling.dumps_for_kernel``), None when not wanted
 
 
 @dataclass(frozen=True)
@@ -54,7 +59,7 @@ class CallError:
     type_name: str  # "ValueError", "torch.distributed.DistBackendError"
     message: str
     traceback: str  # formatted, without accelnb's frames; "" when no user code is to blame
-    exception: bytes | None  # ``result_pickling.dumps_exception_for_kernel``; None if it cannot travel
+    exception: Packed | None  # ``result_pickling.dumps_exception_for_kernel``; None if it cannot travel
     timestamp: float
 
 

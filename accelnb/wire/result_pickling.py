@@ -3,8 +3,8 @@
 Tensors travel on the CPU: unpickling a CUDA tensor would initialise CUDA in the kernel (which
 then breaks every later fork-based launcher) and would land on the wrong device anyway, since each
 worker numbers its GPUs from 0. Parameters stay parameters, so a returned ``nn.Module`` works.
-Exceptions go the same way (:func:`dumps_exception_for_kernel`), since their arguments can hold
-tensors too.
+Big buffers are set aside for shared memory (``wire/buffers.py``). Exceptions go the same way
+(:func:`dumps_exception_for_kernel`), since their arguments can hold tensors too.
 
     >>> import torch
     >>> loads_in_kernel(dumps_for_kernel({"w": torch.ones(2)}))["w"].device.type
@@ -15,44 +15,23 @@ tensors too.
 
 from __future__ import annotations
 
-import io
-import pickle
 from typing import Any
 
-import cloudpickle
+from accelnb.wire import buffers
+from accelnb.wire.buffers import Packed
 
 
-class _CpuTensorPickler(cloudpickle.Pickler):
-    def reducer_override(self, obj: Any) -> Any:
-        torch = _torch_if_loaded()
-        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-            if isinstance(obj, torch.nn.Parameter):
-                return torch.nn.Parameter, (obj.detach().cpu(), obj.requires_grad)
-            return _identity, (obj.detach().cpu().requires_grad_(obj.requires_grad),)
-        return super().reducer_override(obj)
+def dumps_for_kernel(value: Any) -> Packed:
+    """``value`` pickled for the kernel: tensors on the CPU, big buffers left out for shared memory."""
+    return buffers.dump(value, to_cpu=True)
 
 
-def _identity(value: Any) -> Any:
-    return value
+def loads_in_kernel(data: Packed) -> Any:
+    """Rebuild a value of :func:`dumps_for_kernel`, over its buffers (a mapping: no copy)."""
+    return buffers.load(data)
 
 
-def _torch_if_loaded() -> Any:
-    import sys
-
-    return sys.modules.get("torch")
-
-
-def dumps_for_kernel(value: Any) -> bytes:
-    buffer = io.BytesIO()
-    _CpuTensorPickler(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(value)
-    return buffer.getvalue()
-
-
-def loads_in_kernel(data: bytes) -> Any:
-    return cloudpickle.loads(data)
-
-
-def dumps_exception_for_kernel(error: BaseException) -> bytes | None:
+def dumps_exception_for_kernel(error: BaseException) -> Packed | None:
     """``error`` pickled like a return value, in a form the kernel can rebuild, or None.
 
     When the exception cannot travel as it is (an argument that does not pickle, such as a

@@ -23,6 +23,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from accelnb.wire.buffers import Packed
 from accelnb.wire.result_pickling import dumps_for_kernel
 from accelnb.worker.return_budget import DEFAULT_RETURN_LIMIT, choose_returns
 
@@ -45,9 +46,9 @@ class CellRequest:
 
 @dataclass
 class CellOutcome:
-    last_value: bytes | None = None  # pickled for the kernel
+    last_value: Packed | None = None  # pickled for the kernel; its buffers travel in shared memory
     last_value_repr: str | None = None  # when the value does not pickle
-    returned: dict[str, bytes] = field(default_factory=dict)
+    returned: dict[str, Packed] = field(default_factory=dict)
     not_returned: dict[str, str] = field(default_factory=dict)  # name → why
     kept_for_size: dict[str, int] = field(default_factory=dict)  # name → estimated bytes, over the budget
     unwrapped: list[str] = field(default_factory=list)  # DDP models sent back as their .module

@@ -27,6 +27,7 @@ import os
 import queue
 import select
 import signal
+import socket
 import sys
 import threading
 import time
@@ -38,7 +39,7 @@ from typing import Any
 
 import cloudpickle
 
-from accelnb.wire import channel
+from accelnb.wire import buffers, channel
 from accelnb.wire.events import CallError, CallResult, Joined, RunCall, Shutdown
 from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_kernel
 from accelnb.wire.spec import WorkerSpec
@@ -60,8 +61,8 @@ _ALL_JOINED_KEY = "accelnb/all-joined"
 
 
 def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int | None) -> int:
-    """Run one worker to its end; returns the exit code."""
-    events = channel.MessageWriter(events_fd)
+    """Run one worker to its end; returns the exit code. Inbox and events are stream sockets."""
+    events = channel.MessageWriter(socket.socket(fileno=events_fd))
     try:
         return _serve(spec, inbox_fd, events, store_fd)
     except SystemExit as leaving:  # the function's own SIGTERM handler, run between calls
@@ -71,7 +72,7 @@ def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int |
 
 def report_setup_failure(rank: int, events_fd: int, error: BaseException) -> None:
     """Tell the kernel that this rank failed before running any call (``call_id=None``)."""
-    channel.MessageWriter(events_fd).send(_describe_error(rank, None, error))
+    channel.MessageWriter(socket.socket(fileno=events_fd)).send(_describe_error(rank, None, error))
 
 
 def _serve(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, store_fd: int | None) -> int:
@@ -94,6 +95,7 @@ def _serve(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, store
             break
         assert isinstance(command, RunCall)
         succeeded = _run_call(spec.rank, command, events)
+        command = None  # its arguments' shared pages go now, not when the next call comes
         if not spec.persistent:
             exit_code = 0 if succeeded else 1
             if succeeded and not terminating.is_set():
@@ -159,7 +161,9 @@ def _run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
     """Run one call; True when it returned normally and its value (if wanted) went back."""
     value = None
     try:
-        fn, args, kwargs = cloudpickle.loads(call.payload)
+        # Big arguments are rebuilt over the shared pages the kernel wrote once for all ranks,
+        # mapped copy-on-write: this rank may write into them without affecting anyone else.
+        fn, args, kwargs = buffers.load(call.payload)
         value = fn(*args, **kwargs)
     except BaseException as error:
         if not (isinstance(error, SystemExit) and error.code in (0, None)):
@@ -167,7 +171,7 @@ def _run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
             events.send(_describe_error(rank, call.call_id, error))
             return False
     try:
-        data = dumps_for_kernel(value) if call.want_value else None
+        data = dumps_for_kernel(value) if rank in call.value_ranks else None
     except BaseException as error:  # an interrupt while pickling is an interrupt of the call
         _flush_streams_and_metrics()
         events.send(_unsendable_value(rank, call.call_id, value, error) if isinstance(error, Exception)
@@ -423,11 +427,12 @@ def _flush_streams_and_metrics() -> None:
 
 def _start_inbox_reader(inbox_fd: int, commands: queue.Queue[Any]) -> None:
     """Commands arrive on a thread, so that end of file (the kernel died) ends us at once."""
+    inbox = channel.MessageReceiver(socket.socket(fileno=inbox_fd))
 
     def read_forever() -> None:
         while True:
             try:
-                message = channel.read_message(inbox_fd)
+                message = inbox.receive()
             except OSError:
                 message = None
             if message is None:
