@@ -13,8 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-from accelnb.kernel.byte_sizes import human_bytes, parse_byte_size
-from accelnb.worker.return_budget import choose_returns, estimated_size, reason_to_keep_on_ranks
+from accelnb.kernel.byte_sizes import describe_limit, human_bytes, parse_byte_size
+from accelnb.worker.return_budget import (
+    DEFAULT_RETURN_LIMIT,
+    choose_returns,
+    estimated_size,
+    reason_to_keep_on_ranks,
+)
 from tests.conftest import error_of, run_notebook, stream_text
 
 MB = 1_000_000
@@ -77,6 +82,7 @@ def test_sizes_read_and_written_as_people_do() -> None:
     assert parse_byte_size("1.5 GiB") == 3 * 2**29
     assert parse_byte_size("1000") == 1000
     assert human_bytes(300 * MB) == "300.0 MB"
+    assert describe_limit(DEFAULT_RETURN_LIMIT) == "256 MiB"
     with pytest.raises(ValueError, match="256MB"):
         parse_byte_size("lots")
 
@@ -109,7 +115,7 @@ def outputs() -> dict[str, Any]:
 def test_a_300_mb_name_stays_on_the_ranks_and_the_cell_says_how_to_get_it(outputs: dict[str, Any]) -> None:
     text = stream_text(outputs["assign"])
     assert "accelnb: brought back from rank 0: small, steps" in text
-    assert "kept on the ranks, over the 256.0 MB return budget (--return-limit): big (300.0 MB)" in text
+    assert "kept on the ranks, over the 256 MiB return budget (--return-limit): big (300.0 MB)" in text
     assert "`%%distributed --return big` brings it back whatever its size" in text
     assert "a persistent session (%distributed start) would keep it on the ranks" in text
     assert "not brought back: loader (a DataLoader:" in text

@@ -5,6 +5,8 @@ Decimal units throughout (1 KB = 1,000 bytes), as Jupyter states its own limits;
 
     >>> human_bytes(80_300), human_bytes(5_200_000)
     ('80.3 KB', '5.2 MB')
+    >>> describe_limit(256 * 2**20), describe_limit(10**9)
+    ('256 MiB', '1.0 GB')
     >>> parse_byte_size("256MB"), parse_byte_size("1.5 GiB")
     (256000000, 1610612736)
 """
@@ -26,6 +28,13 @@ def human_bytes(count: int) -> str:
         if count < scale * 1000:
             return f"{count / scale:.1f} {unit}"
     return f"{count / 1e9:.1f} GB"
+
+
+def describe_limit(limit: int) -> str:
+    """A limit as it was most likely written: ``256 MiB`` for whole mebibytes, else decimal."""
+    if limit >= 2**20 and limit % 2**20 == 0:
+        return f"{limit // 2**20:,} MiB"
+    return human_bytes(limit)
 
 
 def parse_byte_size(text: str) -> int:

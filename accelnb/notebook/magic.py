@@ -36,7 +36,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from accelnb.errors import LaunchConfigError, UnpicklableError
-from accelnb.kernel.byte_sizes import human_bytes, parse_byte_size
+from accelnb.kernel.byte_sizes import describe_limit, human_bytes, parse_byte_size
 from accelnb.kernel.doctor import doctor
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.payload import check_picklable
@@ -102,7 +102,7 @@ CELL_GRAMMAR.add_argument("--return", dest="return_names", default=None, metavar
                                'or "none" (default: every name the cell assigns, within --return-limit)')
 CELL_GRAMMAR.add_argument("--return-limit", dest="return_limit", default=None, metavar="SIZE",
                           help="how much the assigned names may weigh together when they come back "
-                               f"(default {human_bytes(DEFAULT_RETURN_LIMIT)}; e.g. 1GB, 512MiB, or "
+                               f"(default {describe_limit(DEFAULT_RETURN_LIMIT)}; e.g. 1GB, 512MiB, or "
                                '"none" for no limit); past it the biggest stay on the ranks')
 START_GRAMMAR = _option_parser("distributed start",
                                "Start a persistent session (restart: stop it, then start it again "
@@ -337,7 +337,7 @@ def _kept_for_size_notes(sizes: dict[str, int], limit: int | None, in_session: b
         return []
     where = ("it stays on the ranks for the next cells of this session" if in_session else
              "a persistent session (%distributed start) would keep it on the ranks for the next cells")
-    notes = [f"accelnb: kept on the ranks, over the {human_bytes(limit or 0)} return budget "
+    notes = [f"accelnb: kept on the ranks, over the {describe_limit(limit or 0)} return budget "
              "(--return-limit): " + ", ".join(f"{name} ({human_bytes(size)})" for name, size in sizes.items())]
     for name in sizes:
         notes.append(f"  {name}: `%%distributed --return {name}` brings it back whatever its size; {where}.")

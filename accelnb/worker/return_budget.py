@@ -2,7 +2,7 @@
 
 Bringing back every name a cell assigns is what makes ``%%distributed`` feel like a normal cell,
 until the cell holds a 7B model and its Adam state: ~100 GB pickled into the kernel. So names
-come back while their total size stays under a budget (256 MB unless ``--return-limit`` says
+come back while their total size stays under a budget (256 MiB unless ``--return-limit`` says
 otherwise); past it the biggest stay on rank 0, and the notebook says, for each, its size and
 how to get it. Names listed with ``--return`` always come back: the user asked for them.
 
@@ -28,7 +28,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_RETURN_LIMIT = 256_000_000  # bytes: 256 MB
+# 256 MiB: a "256 MB" tensor as people make one (torch.zeros(64 * 2**20)) still comes back.
+DEFAULT_RETURN_LIMIT = 256 * 2**20
 _MAX_OBJECTS_WALKED = 200_000  # a list of a million small objects is estimated from its first part
 
 
