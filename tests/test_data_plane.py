@@ -113,8 +113,11 @@ def test_a_256_mb_tensor_goes_in_and_comes_back_over_a_mapping() -> None:
     assert (first, last) == (0.0, float(x[-1]))
     assert torch.equal(back, x)
     traces = leftovers()
-    assert not [t for t in traces["kernel"] if t.startswith("fd")], traces  # mapped, fd closed
-    assert len(traces["kernel"]) == 1 and traces["helper"] == [], traces  # the value's own mapping
+    # (/dev/shm entries already there, such as a semaphore an earlier test's DataLoader mapped,
+    # are not ours: compare with before)
+    new = [t for t in traces["kernel"] if t not in before["kernel"]]
+    assert not [t for t in new if t.startswith("fd")], traces  # mapped, fd closed
+    assert len(new) == 1 and "memfd:accelnb" in new[0] and traces["helper"] == before["helper"], traces
     del back
     forget_last_result()
     assert leftovers() == before

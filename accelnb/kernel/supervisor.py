@@ -59,6 +59,7 @@ from accelnb.kernel.stacks import clean_stack_dump, split_stack_dump
 from accelnb.wire.buffers import Packed
 from accelnb.wire.channel import MessageReader, encode, receive_chunk, send_frame
 from accelnb.wire.events import CallError, CallResult, Joined, MetricBatch, RunCall, Shutdown
+from accelnb.wire.held_interrupts import held_interrupts
 from accelnb.wire.spec import WorkerSpec
 
 PIPE_SIZE = 1 << 20  # bigger pipes: fewer wake-ups for floods and large results
@@ -220,9 +221,10 @@ class WorkerGroup:
         self.workers.append(worker)
         theirs: list[int] = []
         for name in ("stdout", "stderr"):
-            read_end, write_end = os.pipe()
-            setattr(worker, f"{name}_fd", read_end)
-            self._worker_ends.append(write_end)
+            with held_interrupts():  # bare fds: owned before a Ctrl-C may surface
+                read_end, write_end = os.pipe()
+                setattr(worker, f"{name}_fd", read_end)
+                self._worker_ends.append(write_end)
             theirs.append(write_end)
             self._step("pipe-opened")
             _enlarge(read_end)
@@ -422,7 +424,9 @@ class WorkerGroup:
         try:
             if name == "events":
                 assert worker.events is not None
-                chunk, fds = receive_chunk(worker.events)
+                with held_interrupts():  # received fds: queued before a Ctrl-C may surface
+                    chunk, fds = receive_chunk(worker.events)
+                    events = worker.event_reader.feed(chunk, fds) if chunk else []
             else:
                 chunk = os.read(fd, 1 << 20)
         except BlockingIOError:
@@ -433,7 +437,7 @@ class WorkerGroup:
             self._unwatch(fd)
             return False
         if name == "events":
-            for event in worker.event_reader.feed(chunk, fds):
+            for event in events:
                 self._on_event(worker, event, answers)
         else:
             self.output.feed(worker.rank, name, chunk)  # type: ignore[arg-type]

@@ -70,6 +70,9 @@ class Frame:
     def __enter__(self) -> Frame:
         return self
 
+    def __del__(self) -> None:  # a frame dropped unsent (an interrupt while encoding) frees its memfd
+        self.close()
+
     def __exit__(self, *exc: object) -> None:
         self.close()
 
@@ -80,16 +83,17 @@ def encode(message: Any, inline_limit: int = INLINE_LIMIT_BYTES) -> Frame:
     body = pickle.dumps(message, protocol=5, buffer_callback=buffers.append)
     views = [buffer.raw() for buffer in buffers]
     sizes = [view.nbytes for view in views]
-    fd = None
     if not views:
         placement, tail = _NO_BUFFERS, b""
     elif sum(sizes) < inline_limit:
         placement, tail = _INLINE, b"".join(views)
     else:
         placement, tail = _SHARED, b""
-        fd, _ = write_buffers(views)
     rest = b"".join([_HEAD.pack(len(sizes), placement), *(_SIZE.pack(s) for s in sizes), body, tail])
-    return Frame(_LENGTH.pack(len(rest)) + rest, fd)
+    frame = Frame(_LENGTH.pack(len(rest)) + rest)
+    if placement == _SHARED:
+        frame.fd = write_buffers(views)[0]  # no signal check between the return and the store
+    return frame
 
 
 def send_frame(sock: socket.socket, frame: Frame, after_each_write: Callable[[int], None] | None = None) -> None:

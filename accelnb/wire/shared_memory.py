@@ -25,6 +25,8 @@ import os
 from collections.abc import Sequence
 from typing import Any
 
+from accelnb.wire.held_interrupts import held_interrupts
+
 ALIGNMENT = 64  # every buffer starts on a cache line: any dtype is aligned, SIMD loads are whole
 WRITE_CHUNK_BYTES = 1 << 30  # pwrite may write less than asked for; never ask for more than this
 
@@ -44,8 +46,10 @@ def write_buffers(buffers: Sequence[memoryview], name: str = "accelnb") -> tuple
     The fd is close-on-exec and the caller's to close, once it has been sent.
     """
     layout = layout_of([view.nbytes for view in buffers])
-    fd = os.memfd_create(name, os.MFD_CLOEXEC)
+    fd = -1
     try:
+        with held_interrupts():  # a Ctrl-C right after memfd_create returns would lose the fd
+            fd = os.memfd_create(name, os.MFD_CLOEXEC)
         total = layout[-1][0] + layout[-1][1] if layout else 0
         os.ftruncate(fd, total)
         for view, (offset, size) in zip(buffers, layout, strict=True):
@@ -53,7 +57,8 @@ def write_buffers(buffers: Sequence[memoryview], name: str = "accelnb") -> tuple
             while written < size:
                 written += os.pwrite(fd, view[written:written + WRITE_CHUNK_BYTES], offset + written)
     except BaseException:  # an interrupt while copying: the half-written file goes with its fd
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
         raise
     return fd, layout
 
