@@ -13,10 +13,9 @@ from accelnb.wire.held_interrupts import held_interrupts
 
 def test_an_interrupt_inside_the_block_is_raised_when_the_block_ends() -> None:
     owned: list[int] = []
-    with pytest.raises(KeyboardInterrupt):
-        with held_interrupts():
-            signal.raise_signal(signal.SIGINT)  # the handler runs here, right after this call
-            owned.extend(os.pipe())  # still reached: the interrupt waits for the block's end
+    with pytest.raises(KeyboardInterrupt), held_interrupts():
+        signal.raise_signal(signal.SIGINT)  # the handler runs here, right after this call
+        owned.extend(os.pipe())  # still reached: the interrupt waits for the block's end
     assert len(owned) == 2
     for fd in owned:
         os.close(fd)
