@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 
-from accelnb import LaunchTimeout, launch
+from accelnb import LaunchTimeout, Session, launch
 from tests.conftest import wait_until_no_workers
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -179,6 +179,16 @@ def test_one_rank_loads_with_device_map_auto_and_generates(tiny_lm: str) -> None
 
 
 # ── a generate() that hangs ──────────────────────────────────────────────────────────────────
+_loaded_models: dict[str, Any] = {}  # in the rank: kept between a session's calls
+
+
+def load_the_model(model_path: str) -> None:
+    """The slow part (importing transformers: seconds on a loaded machine), outside the timed call."""
+    from transformers import AutoModelForCausalLM
+
+    _loaded_models[model_path] = AutoModelForCausalLM.from_pretrained(model_path, device_map="auto")
+
+
 def stream_from_a_generate_that_hangs(model_path: str) -> list[int]:
     """The notebook pattern: generate() in a thread, the main thread reading its streamer. A
     stopping criterion that waits for a peer that never answers stands in for a stuck collective."""
@@ -204,7 +214,7 @@ def stream_from_a_generate_that_hangs(model_path: str) -> list[int]:
             threading.Event().wait()
             return torch.zeros(input_ids.shape[0], dtype=torch.bool)
 
-    model = AutoModelForCausalLM.from_pretrained(model_path, device_map="auto")
+    model = _loaded_models.get(model_path) or AutoModelForCausalLM.from_pretrained(model_path, device_map="auto")
     streamer = QueueStreamer()
     threading.Thread(target=model.generate, name="generate", daemon=True, kwargs={
         "input_ids": torch.tensor([[1, 2, 3]]), "max_new_tokens": 4, "pad_token_id": 0, "streamer": streamer,
@@ -217,8 +227,12 @@ def stream_from_a_generate_that_hangs(model_path: str) -> list[int]:
 
 def test_a_hanging_generate_shows_the_waiting_threads_stack_and_is_killed(tiny_lm: str) -> None:
     kernel_state = {"model_path": tiny_lm}
-    with pytest.raises(LaunchTimeout) as info:
-        launch(stream_from_a_generate_that_hangs, (tiny_lm,), num_processes=1, quiet=True, timeout=12)
+    # A session, so that the timeout covers the hang only: with the import inside the timed call,
+    # a machine loaded by four parallel test runs timed out in the import, before generate().
+    with Session.start(num_processes=1, quiet=True) as session:
+        session.run(load_the_model, (tiny_lm,))
+        with pytest.raises(LaunchTimeout) as info:
+            session.run(stream_from_a_generate_that_hangs, (tiny_lm,), timeout=5)
     stacks = str(info.value)
     assert "in stream_from_a_generate_that_hangs" in stacks and "in get" in stacks  # the main thread, waiting
     assert "in generate" in stacks and "in __call__" in stacks and "in wait" in stacks  # the generate thread
