@@ -87,11 +87,19 @@ def option(help: str, scope: Scope, **details: Any) -> dict[str, OptionInfo]:
 
 
 # ── checks of single values (choices are checked generically) ──────────────────────────────────
-def _whole_number_at_least_one(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LaunchConfigError(f"{name} must be an integer, got {value!r}.")
-    if value < 1:
-        raise LaunchConfigError(f"{name} must be at least 1, got {value}.")
+def _whole_number_at_least(minimum: int) -> Callable[[str, Any], None]:
+    """The check of an integer option whose smallest allowed value is ``minimum``."""
+    def check(name: str, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise LaunchConfigError(f"{name} must be an integer, got {value!r}.")
+        if value < minimum:
+            least = "0 or more" if minimum == 0 else f"at least {minimum}"
+            raise LaunchConfigError(f"{name} must be {least}, got {value}.")
+    return check
+
+
+_whole_number_at_least_one = _whole_number_at_least(1)
+_whole_number_at_least_zero = _whole_number_at_least(0)
 
 
 def _positive_seconds(name: str, value: Any) -> None:
@@ -104,13 +112,6 @@ def _gpu_selection(name: str, value: Any) -> None:
     if not all(isinstance(p, (int, str)) and not isinstance(p, bool) for p in parts):
         raise LaunchConfigError(f"{name}={value!r} is not a GPU selection; use e.g. {name}=\"0,1\", "
                                 f"{name}=[0, 1], {name}=\"all\" or GPU UUIDs.")
-
-
-def _whole_number_at_least_zero(name: str, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise LaunchConfigError(f"{name} must be an integer, got {value!r}.")
-    if value < 0:
-        raise LaunchConfigError(f"{name} must be 0 or more, got {value}.")
 
 
 def _seconds_at_least_zero(name: str, value: Any) -> None:
