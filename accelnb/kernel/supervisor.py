@@ -523,10 +523,12 @@ class WorkerGroup:
             if worker.alive:
                 _signal_group(worker, signal.SIGKILL)
         self._wait_for_exits(time.monotonic() + KILL_WAIT_S, answers)
+        # A reaped worker is not signalled again: its pid may already be reused, and the helper
+        # reports an exit only after ending everything that rank left behind (worker/helper.py).
         for worker in self.workers:
             if worker.alive:
                 self._set_phase(worker, "stopped")
-            _signal_group(worker, signal.SIGKILL)  # the rank's own children, if any survive
+                _signal_group(worker, signal.SIGKILL)
 
     def _wait_for_exits(self, deadline: float, answers: _Answers) -> None:
         scratch = _Answers(None)
