@@ -1,10 +1,11 @@
 """The kernel's handle on accelnb's helper process (see ``worker/helper.py`` for the why).
 
-One helper serves a kernel for its whole life; it is started on first use (or ahead of time by
-:func:`prewarm`) and replaced, after being closed, when it died. Only the thread that launches
-talks to it.
+One helper serves a kernel; it is started on first use (or ahead of time by :func:`prewarm`) and
+replaced, after being closed, when it died. In a kernel that imported torch it is first forked
+from the kernel (milliseconds) and later replaced by a spawned one (``helper_process`` says why).
+Only the thread that launches talks to it.
 
-    >>> helper = shared_helper()            # starts it, ~2-5 s the first time
+    >>> helper = shared_helper()            # ms when forked; 1-2 s when spawned (import torch)
     >>> pids = helper.spawn(specs, fds)     # ms: forks one worker per spec
 
 The helper can die at any moment (the OOM killer picks it, a user's ``kill``). Its end of the
@@ -24,7 +25,6 @@ import select
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -34,6 +34,7 @@ from typing import Any
 from accelnb.errors import WorkerStartError
 from accelnb.kernel.call_outcome import HelperExit
 from accelnb.kernel.failure_report import helper_died
+from accelnb.kernel.helper_process import ForkedHelper, StartMethod, spawn_helper, start_method
 from accelnb.wire.spec import WorkerSpec
 
 START_TIMEOUT_S = 120.0
@@ -55,27 +56,24 @@ class WorkerExit:
 class WorkerHelper:
     """A running helper process and the worker exits it reported."""
 
-    def __init__(self, preimports: Sequence[str] = ()) -> None:
+    def __init__(self, preimports: Sequence[str] = (), method: StartMethod = "spawn") -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # The helper must import this very accelnb, wherever the kernel found it.
         package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         python_path = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONPATH": python_path}
         try:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "accelnb.worker.helper", str(theirs.fileno()), *preimports],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                start_new_session=True,  # the notebook's interrupt must not reach the helper
-                env=env,
-            )
+            self._process: subprocess.Popen[bytes] | ForkedHelper = (
+                ForkedHelper(theirs.fileno()) if method == "fork"
+                else spawn_helper(theirs.fileno(), tuple(preimports), env))
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
+        self.method = method
+        self.workers_started = 0  # how many it forked, ever
+        self._live_pids: set[int] = set()  # forked and not reported exited
         self._sock = ours
         self._ready = False
         self._closed = False
@@ -110,6 +108,15 @@ class WorkerHelper:
                 "first), so accelnb ended it. Check that `python -c 'import torch'` works and is quick.")
         self._ready = True
         self._close_start_stderr()  # it points its stderr at /dev/null once ready
+
+    def poll_ready(self) -> bool:
+        """Whether it is ready, without waiting (reads what it sent so far)."""
+        if not self._ready and not self.lost:
+            message = self._receive(timeout=0)
+            if message is not None and message[0] == "ready":
+                self._ready = True
+                self._close_start_stderr()
+        return self._ready
 
     def death(self) -> HelperExit:
         """How it ended (call once :attr:`lost`): waits a moment for its exit status."""
@@ -164,6 +171,8 @@ class WorkerHelper:
         if reply[0] == "spawn_failed":
             raise WorkerStartError(f"accelnb's helper process could not fork the workers: {reply[2]}")
         pids: list[int] = reply[2]
+        self.workers_started += len(pids)
+        self._live_pids.update(pids)
         return pids
 
     def _await_reply(self, request: int, deadline: float) -> Any | None:
@@ -231,15 +240,22 @@ class WorkerHelper:
         self._note(message)
         return message
 
+    @property
+    def has_workers(self) -> bool:
+        """Whether a worker it forked may still run (exits are read by :meth:`collect`)."""
+        return bool(self._live_pids)
+
     def _note(self, message: Any) -> None:
         if message[0] == "exited":
             pid, code, reaped_at = message[1], message[2], message[3]
+            self._live_pids.discard(pid)
             if pid in self._disowned_pids:
                 self._disowned_pids.discard(pid)
             else:
                 self._exits[pid] = WorkerExit(code, reaped_at)
         elif message[0] == "spawned" and message[1] in self._abandoned_requests:
             self._abandoned_requests.discard(message[1])
+            self._live_pids.update(message[2])
             for pid in message[2]:
                 _kill_group(pid)
             self.forget(message[2])
@@ -275,12 +291,18 @@ def _kill_group(pid: int) -> None:
 
 
 _shared: WorkerHelper | None = None
+_successor: WorkerHelper | None = None  # a spawned helper warming up to replace a forked one
 _shared_lock = threading.Lock()
 _exit_hook_registered = False
 
 
 def shared_helper(wait: bool = True, on_step: StepHook | None = None) -> WorkerHelper:
     """The kernel's helper process, started (or, after closing the dead one, restarted) when needed.
+
+    A new helper is forked from the kernel where that is safe (``helper_process.start_method``),
+    else spawned. A forked one is a bridge: once it has started workers, a spawned successor is
+    started in the background, and it takes over at the first call that finds it ready and the
+    bridge without workers (see ``helper_process`` for why).
 
     ``on_step("helper-starting")`` runs before waiting for a helper that is not ready yet (tests).
     """
@@ -293,7 +315,9 @@ def shared_helper(wait: bool = True, on_step: StepHook | None = None) -> WorkerH
             if not _exit_hook_registered:
                 atexit.register(shutdown_helper)
                 _exit_hook_registered = True
-            _shared = WorkerHelper()
+            _shared = _take_successor() or WorkerHelper(method=start_method())
+        elif _shared.method == "fork":
+            _retire_bridge()
         helper = _shared
     if wait:
         try:
@@ -302,6 +326,31 @@ def shared_helper(wait: bool = True, on_step: StepHook | None = None) -> WorkerH
             helper.close()  # dead or hopeless: the next launch starts afresh
             raise
     return helper
+
+
+def _retire_bridge() -> None:
+    """Start the forked helper's successor once it has served a launch; switch when it is ready."""
+    global _shared, _successor
+    bridge = _shared
+    assert bridge is not None
+    if bridge.workers_started == 0:
+        return
+    if _successor is None:
+        _successor = WorkerHelper(method="spawn")
+        return
+    bridge.collect()  # worker exits it reported
+    if not bridge.has_workers and _successor.poll_ready():
+        _shared = _take_successor()
+        bridge.close()
+
+
+def _take_successor() -> WorkerHelper | None:
+    global _successor
+    successor, _successor = _successor, None
+    if successor is not None and not successor.alive:
+        successor.close()
+        return None
+    return successor
 
 
 def running_helper_pid() -> int | None:
@@ -316,8 +365,9 @@ def prewarm() -> None:
 
 
 def shutdown_helper() -> None:
-    global _shared
+    global _shared, _successor
     with _shared_lock:
-        if _shared is not None:
-            _shared.close()
-            _shared = None
+        for helper in (_shared, _successor):
+            if helper is not None:
+                helper.close()
+        _shared = _successor = None

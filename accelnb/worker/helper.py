@@ -42,7 +42,8 @@ under it is killed and the helper exits. Workers also get ``PR_SET_PDEATHSIG`` s
 the helper. (If the helper itself is SIGKILLed, its workers die that way, and whatever they left
 behind is re-parented to init: no process of accelnb's remains to end it.)
 
-Run as ``python -m accelnb.worker.helper CONTROL_FD [MODULE …]``.
+Run as ``python -m accelnb.worker.helper CONTROL_FD [MODULE …]``, or forked from a kernel that
+already imported torch (``accelnb/kernel/helper_process.py`` says when and how).
 """
 
 from __future__ import annotations
