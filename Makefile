@@ -25,3 +25,5 @@ soak: setup
 bench: setup
 	$(PY) -m pip install -q "accelerate>=1.0" "lightning>=2.4"  # benchmark-only peers; keeps the editable install
 	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/bench_first_launch.py --write
+	$(PY) benchmarks/bench_data.py --write

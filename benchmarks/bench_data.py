@@ -46,9 +46,10 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
-RESULTS_PATH = os.path.join(HERE, "RESULTS.md")
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)  # benchmark this working tree, not an installed copy
+
+from results_file import replace_section  # noqa: E402 (benchmarks/ is on sys.path as the script's folder)
 
 MIB = 1 << 20
 
@@ -212,7 +213,8 @@ def main() -> None:
     parser.add_argument("--case", choices=CASES, help="(internal) run one case here, print JSON")
     parser.add_argument("--save-json", help="also write the raw numbers here")
     parser.add_argument("--before", help="raw numbers of an earlier run (--save-json) to show beside")
-    parser.add_argument("--write", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    parser.add_argument("--write", action="store_true",
+                        help="put the table in benchmarks/RESULTS.md, in place of the last one")
     opts = parser.parse_args()
     sizes = [int(s) for s in opts.sizes.split(",")]
     rank_counts = [int(r) for r in opts.ranks.split(",")]
@@ -239,11 +241,12 @@ def main() -> None:
     print(text)
     if opts.write:
         stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
-        with open(RESULTS_PATH, "a") as f:
-            f.write(f"\n## Data in and out of a launch (issue 12), {stamp}, {platform.node()}, "
-                    f"{os.cpu_count()} CPUs\n\n`python benchmarks/bench_data.py`: times in ms "
-                    f"(medians of {opts.repeats}), float32 CPU tensors, gloo. Targets: in ≤ 1.5× "
-                    "Accelerate, out ≤ 3× memcpy, RSS after out ≤ 1.1× the data.\n\n" + text + "\n")
+        replace_section(
+            "## Data in and out of a launch",
+            f"## Data in and out of a launch (issue 12), {stamp}, {platform.node()}, "
+            f"{os.cpu_count()} CPUs\n\n`python benchmarks/bench_data.py`: times in ms "
+            f"(medians of {opts.repeats}), float32 CPU tensors, gloo. Targets: in ≤ 1.5× "
+            "Accelerate, out ≤ 3× memcpy, RSS after out ≤ 1.1× the data.\n\n" + text + "\n")
 
 
 if __name__ == "__main__":

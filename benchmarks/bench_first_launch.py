@@ -32,9 +32,8 @@ import sys
 from collections.abc import Sequence
 
 from jupyter_client.manager import start_new_kernel
+from results_file import replace_section  # benchmarks/ is on sys.path when run as a script
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-RESULTS_PATH = os.path.join(HERE, "RESULTS.md")
 SECTION_TITLE = "## First launch in a fresh kernel (issue 12)"
 CELL_TIMEOUT_S = 120
 
@@ -109,18 +108,6 @@ def table(medians: dict[str, float], runs: dict[str, list[float]]) -> str:
     return "\n".join(rows) + "\n\n" + "\n".join(verdicts) + "\n"
 
 
-def write_section(text: str) -> None:
-    """Replace (or add) this script's section of RESULTS.md, leaving the others as they are."""
-    with open(RESULTS_PATH) as f:
-        content = f.read()
-    start = content.find(SECTION_TITLE)
-    if start >= 0:
-        following = content.find("\n## ", start + len(SECTION_TITLE))
-        content = content[:start].rstrip("\n") + ("\n\n" + content[following + 1:] if following >= 0 else "")
-    with open(RESULTS_PATH, "w") as f:
-        f.write(content.rstrip("\n") + "\n\n" + text)
-
-
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=3, help="fresh kernels per case (default 3)")
@@ -140,7 +127,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             + table(medians, runs))
     print(text)
     if opts.write:
-        write_section(text)
+        replace_section(SECTION_TITLE, text)
 
 
 if __name__ == "__main__":

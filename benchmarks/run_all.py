@@ -31,9 +31,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from results_file import RESULTS_PATH, replace_section  # benchmarks/ is on sys.path as the script's folder
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO_ROOT = os.path.dirname(HERE)
-RESULTS_PATH = os.path.join(HERE, "RESULTS.md")
 TOOLS = ("accelnb", "accelerate", "fabric", "plain", "throughput")
 NAMES = {"accelnb": "accelnb", "accelerate": "Accelerate", "fabric": "Fabric", "plain": "plain fork"}
 QUICK = ["--repeats", "3", "--calls", "10", "--train-repeats", "1", "--throughput-pairs", "2",
@@ -384,26 +385,13 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(text)
     if not opts.no_write:
-        with open(RESULTS_PATH, "w") as f:
-            f.write(text + _other_sections(RESULTS_PATH))
+        replace_section("## accelnb launch benchmark", text)  # other scripts' sections stay
         print(f"(written to {os.path.relpath(RESULTS_PATH)})")
     if not opts.keep_logs and not any("error" in str(v) for v in results.values()):
         for name in os.listdir(log_dir):
             os.remove(os.path.join(log_dir, name))
         os.rmdir(log_dir)
     return 0
-
-
-def _other_sections(path: str) -> str:
-    """What other benchmarks wrote into RESULTS.md after this one's section (bench_data.py's
-    "## Data in and out" section): kept, so that rerunning this benchmark does not erase them."""
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines(keepends=True)
-    except FileNotFoundError:
-        return ""
-    starts = [i for i, line in enumerate(lines) if line.startswith("## ") and i > 0]
-    return ("\n" + "".join(lines[starts[0]:])) if starts else ""
 
 
 if __name__ == "__main__":

@@ -1,0 +1,32 @@
+"""``benchmarks/RESULTS.md`` holds one section per benchmark script; each rewrites only its own.
+
+    replace_section("## Data in and out of a launch", text)   # text starts with that heading
+
+A section runs from its ``## `` heading to the next one. Rerunning a benchmark replaces its
+section where it was (so reruns do not pile up) and leaves every other script's section as is.
+"""
+
+from __future__ import annotations
+
+import os
+
+RESULTS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "RESULTS.md")
+
+
+def replace_section(heading: str, text: str, path: str = RESULTS_PATH) -> None:
+    """Put ``text`` (a section starting with ``heading``) in place of every section so headed."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines(keepends=True)
+    except FileNotFoundError:
+        lines = []
+    sections: list[list[str]] = []
+    for line in lines:
+        if line.startswith("## ") or not sections:
+            sections.append([])
+        sections[-1].append(line)
+    kept = ["".join(s).rstrip("\n") + "\n" for s in sections if not s[0].startswith(heading)]
+    where = next((i for i, s in enumerate(sections) if s[0].startswith(heading)), len(kept))
+    kept.insert(where, text.rstrip("\n") + "\n")
+    with open(path, "w") as f:
+        f.write("\n".join(kept))
