@@ -43,7 +43,7 @@ from accelnb.kernel.supervisor import WorkerGroup
 from accelnb.kernel.tensorboard_log import TensorBoardLog
 from accelnb.kernel.worker_specs import threads_per_rank
 from accelnb.options import (
-    ALL_OPTIONS,
+    LAUNCH_OPTIONS,
     START_OPTIONS,
     LaunchKeywords,
     LaunchOptions,
@@ -89,7 +89,7 @@ def notebook_launcher(
         KeyboardInterrupt: the run was interrupted; every worker is gone.
     """
     chosen = _RANK0_VALUE.with_keywords({**options, "num_processes": num_processes},
-                                        accepted=ALL_OPTIONS, caller="notebook_launcher()")
+                                        accepted=LAUNCH_OPTIONS, caller="notebook_launcher()")
     return launch_with(function, args, kwargs, chosen).value
 
 
@@ -115,7 +115,7 @@ def launch(
         The same as :func:`notebook_launcher`.
     """
     chosen = LaunchOptions().with_keywords({**options, "num_processes": num_processes},
-                                           accepted=ALL_OPTIONS, caller="launch()")
+                                           accepted=LAUNCH_OPTIONS, caller="launch()")
     return launch_with(function, args, kwargs, chosen, metric_sink=metric_sink)
 
 
