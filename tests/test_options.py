@@ -114,7 +114,7 @@ def test_an_option_of_the_wrong_scope_says_where_it_belongs() -> None:
         Session.start(num_processes=2, timeout=5)  # type: ignore[call-arg]
     with pytest.raises(LaunchConfigError, match=r"^launch\(\) does not take ranks=: it chooses ranks of a "
                                                 r"running session \(pass it to Session.run"):
-        launch(os.getpid, 2, ranks=[1])  # type: ignore[call-arg]
+        launch(os.getpid, num_processes=2, ranks=[1])  # type: ignore[call-arg]
     assert worker_processes() == []
     with Session.start(num_processes=2, quiet=True) as session:
         with pytest.raises(LaunchConfigError, match=r"^Session.run\(\) does not take gpus=: it places the "
