@@ -155,7 +155,7 @@ class Panel(widgets.VBox):
         stop_refreshing = threading.Event()
         releases = [on_selection_change(_weakly(self, Panel._on_selection)),
                     run_state.on_run_change(_weakly(self, Panel._on_run)),
-                    _stop_reaches_busy_kernel()]
+                    kernel_messages.let_comm_messages_through_runs()]
         self._release = weakref.finalize(self, _release_all, stop_refreshing, releases)
         if refresh_interval is not None:
             threading.Thread(target=_refresh_loop, args=(weakref.ref(self), stop_refreshing, refresh_interval),
@@ -355,35 +355,6 @@ def _read_stacks(panel_ref: weakref.ref[Panel], collect: Callable[[float], dict[
     panel = panel_ref()
     if panel is not None:
         panel._show_stacks(text)
-
-
-_hook_users = 0
-_hook_lock = threading.Lock()
-_unregister_hook: Callable[[], None] | None = None
-
-
-def _stop_reaches_busy_kernel() -> Callable[[], None]:
-    """Register the comm-message wait hook while at least one panel is open."""
-    global _hook_users, _unregister_hook
-    with _hook_lock:
-        _hook_users += 1
-        if _unregister_hook is None:
-            _unregister_hook = run_state.add_wait_hook(kernel_messages.process_comm_messages)
-    released = False
-
-    def release() -> None:
-        global _hook_users, _unregister_hook
-        nonlocal released
-        with _hook_lock:
-            if released:
-                return
-            released = True
-            _hook_users -= 1
-            if _hook_users == 0 and _unregister_hook is not None:
-                _unregister_hook()
-                _unregister_hook = None
-
-    return release
 
 
 def _new_row(gpu: GpuInfo) -> GpuRow:
