@@ -37,13 +37,14 @@ from accelnb.kernel.attempts import run_attempts
 from accelnb.kernel.inventory import read_inventory
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.payload import pack_call
+from accelnb.kernel.preflight import preflight
 from accelnb.kernel.runs import AttemptSink, MetricRoute, MetricsView, last_result, start_workers
 from accelnb.kernel.selection import current_selection
 from accelnb.kernel.supervisor import WorkerGroup
 from accelnb.kernel.tensorboard_log import TensorBoardLog
 from accelnb.kernel.worker_specs import threads_per_rank
 from accelnb.options import (
-    ALL_OPTIONS,
+    LAUNCH_OPTIONS,
     START_OPTIONS,
     LaunchKeywords,
     LaunchOptions,
@@ -89,7 +90,7 @@ def notebook_launcher(
         KeyboardInterrupt: the run was interrupted; every worker is gone.
     """
     chosen = _RANK0_VALUE.with_keywords({**options, "num_processes": num_processes},
-                                        accepted=ALL_OPTIONS, caller="notebook_launcher()")
+                                        accepted=LAUNCH_OPTIONS, caller="notebook_launcher()")
     return launch_with(function, args, kwargs, chosen).value
 
 
@@ -115,7 +116,7 @@ def launch(
         The same as :func:`notebook_launcher`.
     """
     chosen = LaunchOptions().with_keywords({**options, "num_processes": num_processes},
-                                           accepted=ALL_OPTIONS, caller="launch()")
+                                           accepted=LAUNCH_OPTIONS, caller="launch()")
     return launch_with(function, args, kwargs, chosen, metric_sink=metric_sink)
 
 
@@ -200,9 +201,11 @@ def _overridden(config: AccelerateConfig, given: LaunchOptions) -> tuple[str, ..
 
 def start_group(the_plan: planning.LaunchPlan, options: LaunchOptions, *, persistent: bool,
                 restart_count: int = 0) -> WorkerGroup:
-    """Fork the workers of ``the_plan``; a bad ``OMP_NUM_THREADS`` fails first, before the port
-    is bound or anything is forked."""
+    """Fork the workers of ``the_plan``; a bad ``OMP_NUM_THREADS`` or a failed pre-launch check
+    (:mod:`accelnb.kernel.preflight`) fails first, before the port is bound or anything is forked."""
     threads_per_rank(len(the_plan.ranks))
+    if restart_count == 0:  # a restart runs on the machine the first attempt was judged on
+        preflight(the_plan)
     return start_workers(the_plan, options.master_port, persistent=persistent, quiet=options.quiet,
                          restart_count=restart_count)
 

@@ -21,6 +21,8 @@ Every entry point builds a :class:`LaunchOptions` and nothing else reads options
 
 Each option has a *scope*: ``"start"`` options place the ranks and are fixed when workers start
 (a session keeps them), ``"call"`` options apply to each run (``Session.run`` takes only those),
+``"session"`` options only make sense for a call of a running session (``ranks``: some of its
+ranks run the call, the others keep their state; a one-shot launch starts every rank it runs),
 ``"launch"`` options only make sense for a one-shot launch, which starts its own workers:
 restarts (``max_restarts``, ``restart_delay``) start a fresh group of workers, and a session's
 workers hold the user's variables, which a fresh group would silently lose. So ``Session.run``
@@ -56,7 +58,7 @@ from accelnb.kernel.planning import GpuSpec
 from accelnb.kernel.ports import check_port
 from accelnb.kernel.runs import OutputMode
 
-Scope = Literal["start", "call", "launch"]
+Scope = Literal["start", "call", "launch", "session"]
 CollectMode = Literal["rank0", "all"]
 
 KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
@@ -117,6 +119,23 @@ def _gpu_selection(name: str, value: Any) -> None:
 def _seconds_at_least_zero(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
         raise LaunchConfigError(f"{name} must be a number of seconds, 0 or more, got {value!r}.")
+
+
+def _rank_numbers(text: str) -> list[int | str]:
+    """``--ranks 0,2`` as the list ``[0, 2]``; what is not a number is left for the check to name."""
+    return [int(part) if part.strip().isdigit() else part.strip() for part in text.split(",")]
+
+
+def _rank_choice(name: str, value: Any) -> None:
+    """Rank numbers, each once; which exist is checked against the session (``Session.run``)."""
+    parts = value if isinstance(value, Sequence) and not isinstance(value, str) else [value]
+    if not parts or not all(isinstance(p, int) and not isinstance(p, bool) and p >= 0 for p in parts):
+        raise LaunchConfigError(f"{name}={value!r} is not a choice of ranks; give rank numbers, e.g. "
+                                f"{name}=[1] or {name}=[0, 2].")
+    twice = sorted({p for p in parts if parts.count(p) > 1})
+    if twice:
+        raise LaunchConfigError(f"{name}={value!r} lists rank {', '.join(map(str, twice))} more than once; "
+                                "give each rank once.")
 
 
 def _directory(name: str, value: Any) -> None:
@@ -199,6 +218,15 @@ class LaunchOptions:
         "each launch adds an event file). Needs pip install 'accelnb[tensorboard]'.",
         "call", flag="--log-dir", metavar="DIR", check=_directory))
 
+    # ── session: a call of a running session only ──────────────────────────────────────────
+    ranks: Sequence[int] | None = field(default=None, metadata=option(
+        "run the call only on these ranks of the session (e.g. [1] or [0, 2]), to inspect or change "
+        "their state; the others keep theirs. Output is shown with [rank N] prefixes, and the value "
+        "(and a cell's names) comes from the first rank listed. A collective (all_reduce, barrier, a "
+        "DDP step) in such a call waits for the ranks not running it and hangs: set timeout= to bound "
+        "it (a timeout ends the session).",
+        "session", flag="--ranks", parse=_rank_numbers, metavar="N,M", check=_rank_choice))
+
     # ── launch: one-shot launches only (a restart starts fresh workers) ─────────────────────
     max_restarts: int = field(default=0, metadata=option(
         "when a rank fails, stop every rank and start them all again, up to N times; the function "
@@ -256,6 +284,8 @@ _SCOPE_MEANING = {
     "start": "it places the ranks, so it is fixed when the workers start (pass it to "
              "Session.start, or %distributed start/restart)",
     "call": "it applies to each call (pass it to Session.run, or to the %%distributed cell)",
+    "session": "it chooses ranks of a running session (pass it to Session.run, or to a %%distributed "
+               "cell after %distributed start); a one-shot launch runs every rank it starts",
     "launch": "a restart starts a fresh group of workers, and a session's workers hold your "
               "variables, which it would lose; pass it to notebook_launcher/launch, or to a "
               "%%distributed cell outside a session",
@@ -301,6 +331,12 @@ class CallKeywords(TypedDict, total=False):
     log_dir: str | os.PathLike[str] | None
 
 
+class SessionCallKeywords(CallKeywords, total=False):
+    """``Session.run``: the options of one call, and the ranks to run it on."""
+
+    ranks: Sequence[int] | None
+
+
 class RestartKeywords(TypedDict, total=False):
     """The options only one-shot launches take: restarts start a fresh group of workers."""
 
@@ -319,8 +355,10 @@ def keyword_names(keywords: type) -> frozenset[str]:
 
 START_OPTIONS = keyword_names(StartKeywords)
 CALL_OPTIONS = keyword_names(CallKeywords)
+SESSION_CALL_OPTIONS = keyword_names(SessionCallKeywords)
 RESTART_OPTIONS = keyword_names(RestartKeywords)
-ALL_OPTIONS = START_OPTIONS | CALL_OPTIONS | RESTART_OPTIONS
+LAUNCH_OPTIONS = START_OPTIONS | CALL_OPTIONS | RESTART_OPTIONS  # what a one-shot launch takes
+ALL_OPTIONS = LAUNCH_OPTIONS | SESSION_CALL_OPTIONS
 
 F = TypeVar("F", bound=Callable[..., Any])
 

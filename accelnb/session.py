@@ -11,7 +11,8 @@ so the next call costs a pipe round trip instead of a launch, and each rank keep
 
 ``Session.start`` takes the options that place ranks (devices, backend, port: fixed for the
 session's life); ``Session.run`` takes those of one call (``timeout``, ``output``, ``collect``,
-``log_dir``). Sessions take no ``max_restarts``: a restart starts fresh workers, and a session's
+``log_dir``, and ``ranks``: run it on some ranks only, to inspect or change their state).
+Sessions take no ``max_restarts``: a restart starts fresh workers, and a session's
 workers hold the variables of earlier calls, which a restart would silently lose; use a one-shot
 ``notebook_launcher(..., max_restarts=N)`` for a run that should survive a failed rank.
 Leaving the ``with`` block, ``stop()``, or dropping the last reference to the session ends its
@@ -39,7 +40,14 @@ from accelnb.kernel.payload import pack_call
 from accelnb.kernel.runs import run_on_group
 from accelnb.kernel.supervisor import WorkerGroup
 from accelnb.launcher import metric_route, plan_launch, start_group, with_picker_default
-from accelnb.options import CALL_OPTIONS, START_OPTIONS, CallKeywords, LaunchOptions, StartKeywords, documents_options
+from accelnb.options import (
+    SESSION_CALL_OPTIONS,
+    START_OPTIONS,
+    LaunchOptions,
+    SessionCallKeywords,
+    StartKeywords,
+    documents_options,
+)
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -96,15 +104,18 @@ class Session:
     def alive(self) -> bool:
         return self._group.usable
 
-    @documents_options(CallKeywords)
+    @documents_options(SessionCallKeywords)
     def run(
         self,
         function: Callable[..., Any],
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
-        **options: Unpack[CallKeywords],
+        **options: Unpack[SessionCallKeywords],
     ) -> LaunchResult:
-        """Run ``function`` on every rank of the session (see :func:`accelnb.launch`).
+        """Run ``function`` on every rank of the session (see :func:`accelnb.launch`), or on
+        the ranks in ``ranks=``.
+
+            >>> session.run(set_learning_rate, (1e-4,), ranks=[1])        # doctest: +SKIP
 
         Args:
             function, args, kwargs: as for :func:`accelnb.launch`.
@@ -114,18 +125,28 @@ class Session:
             LaunchConfigError: the session has ended, or bad input.
             RankFailed / RankCrashed / LaunchTimeout: see the module docstring for which end it.
         """
-        call = self.options.with_keywords(options, accepted=CALL_OPTIONS, caller="Session.run()")
+        call = self.options.with_keywords(options, accepted=SESSION_CALL_OPTIONS, caller="Session.run()")
         if not self.alive:
             raise LaunchConfigError("This session has ended. Start a new one with Session.start() "
                                     "or %distributed start.")
+        if call.ranks is not None:
+            self._check_ranks(call.ranks)
         payload = pack_call(function, args, kwargs or {})
         try:
             with metric_route(call) as route:
                 return run_on_group(self._group, payload, collect=call.collect, timeout=call.timeout,
-                                    output=call.output, metrics=route)
+                                    output=call.output, metrics=route, chosen_ranks=call.ranks)
         finally:
             if not self._group.usable:
                 self._group.close()
+
+    def _check_ranks(self, ranks: Sequence[int]) -> None:
+        size = len(self.plan.ranks)
+        missing = [rank for rank in ranks if rank >= size]
+        if missing:
+            raise LaunchConfigError(f"ranks={list(ranks)}: this session has {size} rank{'s' if size > 1 else ''} "
+                                    f"(0 to {size - 1}), so there is no rank {', '.join(map(str, missing))}. "
+                                    f"Choose among 0 to {size - 1}, or restart the session with more ranks.")
 
     def stacks(self, wait: float = DEFAULT_WAIT_S) -> StackDump:
         """Every rank's current Python stack, without stopping anything (see

@@ -75,6 +75,16 @@ def run_notebook(cells: list[str], timeout: int = 180, env: dict[str, str] | Non
     return [cell.outputs for cell in nb.cells]
 
 
+def run_named_cells(cells: dict[str, str], timeout: int = 180) -> dict[str, list[Any]]:
+    """:func:`run_notebook` on named cells; returns each name's outputs."""
+    return dict(zip(cells, run_notebook(list(cells.values()), timeout), strict=True))
+
+
+def result_of(outputs: list[Any]) -> str | None:
+    """The cell's ``Out[]`` as text, if it had one."""
+    return next((o["data"]["text/plain"] for o in outputs if o["output_type"] == "execute_result"), None)
+
+
 def stream_text(outputs: list[Any], name: str = "stdout") -> str:
     return "".join(o["text"] for o in outputs if o["output_type"] == "stream" and o["name"] == name)
 

@@ -176,6 +176,15 @@ def test_bad_requests_answer_an_error_and_change_nothing(
     assert kernel.execute("print(selection.current_selection())").strip() == "None"
 
 
+def test_stacks_without_a_run_say_there_is_none(kernel: KernelSession, panel: str) -> None:
+    # (with a run: tests/browser/test_stacks_panel.py, during a blocking launch)
+    kernel.execute("if run_state.current_run() is not None:\n    run_state.current_run().finished = True")
+    seen = len(kernel.comm_messages(panel))
+    kernel.send(panel, {"type": "stacks"})
+    answer = kernel.next_from(panel, seen, kind="stacks")
+    assert answer["ranks"] == [] and answer["error"] == "No run in progress: there are no stacks to show."
+
+
 def test_changes_made_in_the_kernel_reach_the_panel(kernel: KernelSession, panel: str) -> None:
     seen = len(kernel.comm_messages(panel))
     kernel.execute("selection.set_selection(gpus=[3])")

@@ -21,7 +21,7 @@ from accelnb.options import described_fields
 from accelnb.wire.result_pickling import loads_in_kernel
 from accelnb.worker.cell_runner import CellRequest, run_cell
 from accelnb.worker.return_budget import DEFAULT_RETURN_LIMIT
-from tests.conftest import error_of, run_notebook, stream_text
+from tests.conftest import error_of, result_of, run_named_cells, stream_text
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 PIDS = "print(sorted(p.pid for p in worker_processes()))"
@@ -85,12 +85,7 @@ CELLS = {
 
 @pytest.fixture(scope="module")
 def outputs() -> dict[str, Any]:
-    results = run_notebook(list(CELLS.values()))
-    return dict(zip(CELLS, results, strict=True))
-
-
-def result_of(outputs: list[Any]) -> str | None:
-    return next((o["data"]["text/plain"] for o in outputs if o["output_type"] == "execute_result"), None)
+    return run_named_cells(CELLS)
 
 
 def pids_in(text: str) -> list[int]:
@@ -189,7 +184,7 @@ SAMPLES = {  # a flag's text, and the value LaunchOptions must get from it
     "master_port": ("29555", 29555), "mixed_precision": ("fp8", "fp8"), "quiet": (None, True),
     "timeout": ("2.5", 2.5), "output": ("all", "all"), "log_dir": ("runs/exp1", "runs/exp1"),
     "max_restarts": ("2", 2), "restart_delay": ("0.5", 0.5),
-    "gpus_per_rank": ("2", 2), "config_file": ("fsdp.yaml", "fsdp.yaml"),
+    "gpus_per_rank": ("2", 2), "config_file": ("fsdp.yaml", "fsdp.yaml"), "ranks": ("0,2", [0, 2]),
 }
 
 

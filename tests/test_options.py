@@ -22,13 +22,16 @@ from accelnb.kernel.worker_specs import threads_per_rank
 from accelnb.options import (
     ALL_OPTIONS,
     CALL_OPTIONS,
+    LAUNCH_OPTIONS,
     MIXED_PRECISION_MODES,
     RESTART_OPTIONS,
+    SESSION_CALL_OPTIONS,
     START_OPTIONS,
     CallKeywords,
     LaunchKeywords,
     LaunchOptions,
     RestartKeywords,
+    SessionCallKeywords,
     StartKeywords,
     described_fields,
     keyword_names,
@@ -109,6 +112,9 @@ def test_an_option_of_the_wrong_scope_says_where_it_belongs() -> None:
     with pytest.raises(LaunchConfigError, match=r"^Session.start\(\) does not take timeout=: it applies to "
                                                 r"each call \(pass it to Session.run"):
         Session.start(num_processes=2, timeout=5)  # type: ignore[call-arg]
+    with pytest.raises(LaunchConfigError, match=r"^launch\(\) does not take ranks=: it chooses ranks of a "
+                                                r"running session \(pass it to Session.run"):
+        launch(os.getpid, num_processes=2, ranks=[1])  # type: ignore[call-arg]
     assert worker_processes() == []
     with Session.start(num_processes=2, quiet=True) as session:
         with pytest.raises(LaunchConfigError, match=r"^Session.run\(\) does not take gpus=: it places the "
@@ -121,22 +127,23 @@ def test_an_option_of_the_wrong_scope_says_where_it_belongs() -> None:
 # ── one description: the keyword dictionaries, signatures and docs follow the dataclass ────
 def test_the_keyword_dictionaries_spell_the_dataclass_fields_with_the_same_types() -> None:
     declared = {each.name: each.type for each in fields(LaunchOptions)}
-    for keywords in (StartKeywords, CallKeywords, RestartKeywords, LaunchKeywords):
+    for keywords in (StartKeywords, CallKeywords, SessionCallKeywords, RestartKeywords, LaunchKeywords):
         hints = {name: ref.__forward_arg__ if isinstance(ref, typing.ForwardRef) else ref
                  for name, ref in keywords.__annotations__.items()}
         assert hints == {name: declared[name] for name in keyword_names(keywords)}, keywords.__name__
     assert names_in_scope("start") == START_OPTIONS and names_in_scope("call") == CALL_OPTIONS
     assert names_in_scope("launch") == RESTART_OPTIONS
-    assert set(declared) == ALL_OPTIONS
-    assert keyword_names(LaunchKeywords) == ALL_OPTIONS - {"num_processes"}  # positional there
+    assert names_in_scope("session") == SESSION_CALL_OPTIONS - CALL_OPTIONS
+    assert set(declared) == ALL_OPTIONS == LAUNCH_OPTIONS | SESSION_CALL_OPTIONS
+    assert keyword_names(LaunchKeywords) == LAUNCH_OPTIONS - {"num_processes"}  # positional there
 
 
 @pytest.mark.parametrize(("function", "names", "collect"), [
-    (notebook_launcher, ALL_OPTIONS, "rank0"),  # its value is rank 0's: the others stay on the ranks
-    (launch, ALL_OPTIONS, "all"),
+    (notebook_launcher, LAUNCH_OPTIONS, "rank0"),  # its value is rank 0's: the others stay on the ranks
+    (launch, LAUNCH_OPTIONS, "all"),
     (accelnb.plan, START_OPTIONS, None),
     (Session.start, START_OPTIONS, None),
-    (Session.run, CALL_OPTIONS, "all"),
+    (Session.run, SESSION_CALL_OPTIONS, "all"),
 ])
 def test_signatures_and_docstrings_list_every_option_they_take(function: Callable[..., Any], names: set[str],
                                                                collect: str | None) -> None:

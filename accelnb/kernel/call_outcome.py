@@ -57,3 +57,4 @@ class CallOutcome:
     phase: CallPhase = "running"
     stop_source: StopSource = "interrupt"
     helper_exit: HelperExit | None = None
+    ranks: list[int] | None = None  # the ranks the call ran on; None: every rank

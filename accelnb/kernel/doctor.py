@@ -247,16 +247,14 @@ def read_machine_facts(gpus: Sequence[int] | None = None) -> MachineFacts:
     selection = current_selection()
     selected = gpus if gpus is not None else (selection.gpus if selection is not None else None)
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    run = current_run()
-    ranks = {r.pid for r in run.ranks if r.pid is not None} if run is not None and not run.finished else set()
-    loopback_error, free_port = _probe_loopback()
+    loopback_error, free_port = probe_loopback()
     return MachineFacts(
-        shm=_read_shm(),
-        open_files=(_limit(soft), _limit(hard)),
+        shm=read_shm(),
+        open_files=(resource_limit(soft), resource_limit(hard)),
         environ=dict(os.environ),
         torch_module=sys.modules.get("torch"),
         gpus=read_gpu_facts(selected),
-        own_pids=frozenset({os.getpid(), *ranks}),
+        own_pids=own_pids(),
         versions={name: _version(name) for name in ("torch", "accelerate")} | {"nccl": _nccl_version()},
         loopback_error=loopback_error,
         free_port=free_port,
@@ -271,7 +269,14 @@ def accelerate_config_path(environ: Mapping[str, str]) -> str:
     return os.path.join(os.path.expanduser(cache), "accelerate", "default_config.yaml")
 
 
-def _read_shm() -> ShmSpace | None:
+def own_pids() -> frozenset[int]:
+    """This kernel and the ranks of its running session: GPU memory they hold is not a problem."""
+    run = current_run()
+    ranks = {r.pid for r in run.ranks if r.pid is not None} if run is not None and not run.finished else set()
+    return frozenset({os.getpid(), *ranks})
+
+
+def read_shm() -> ShmSpace | None:
     try:
         stats = os.statvfs("/dev/shm")
     except OSError:
@@ -279,11 +284,12 @@ def _read_shm() -> ShmSpace | None:
     return ShmSpace(total=stats.f_blocks * stats.f_frsize, free=stats.f_bavail * stats.f_frsize)
 
 
-def _limit(value: int) -> int:
+def resource_limit(value: int) -> int:
+    """A limit from ``resource.getrlimit``, with -1 for unlimited."""
     return -1 if value == resource.RLIM_INFINITY else value
 
 
-def _probe_loopback() -> tuple[str | None, int | None]:
+def probe_loopback() -> tuple[str | None, int | None]:
     """Connect to a listening socket on 127.0.0.1: the error, or None and the port it got."""
     try:
         with socket.socket() as server:

@@ -107,7 +107,8 @@ def exception_for(outcome: CallOutcome, *, show_output_of: set[int],
     if outcome.ending == "interrupted":
         return run_interrupted(outcome, persistent=persistent)
     if outcome.ending == "timed_out":
-        return timed_out(outcome.timeout, outcome.stacks, outcome.failures)
+        return timed_out(outcome.timeout, outcome.stacks, outcome.failures, ranks=outcome.ranks,
+                         persistent=persistent)
     return build_exception(outcome.failures, outcome.stopped, show_output_of,
                            session_ended=persistent and not outcome.workers_kept)
 
@@ -160,16 +161,27 @@ def helper_died(death: HelperExit, moment: str, *, persistent: bool = False, had
     return HelperDied("\n".join(lines), tuple(failures), helper_pid=death.pid, exit_code=death.exit_code)
 
 
-def timed_out(timeout: float | None, stacks: dict[int, str], failures: Sequence[RankFailure]) -> LaunchTimeout:
+def timed_out(timeout: float | None, stacks: dict[int, str], failures: Sequence[RankFailure], *,
+              ranks: Sequence[int] | None = None, persistent: bool = False) -> LaunchTimeout:
+    """``ranks``: the ranks the call ran on, when it was not all of them (``Session.run(ranks=)``)."""
     lines = [f"The run did not finish within timeout={timeout:g} s; every rank was "
              "stopped. Each rank's Python stack at that moment:"]
+    if ranks is not None:
+        chosen = ", ".join(str(rank) for rank in ranks)
+        lines[0:0] = [f"The call ran on rank{'s' if len(ranks) > 1 else ''} {chosen} only (ranks="
+                      f"{list(ranks)}): a collective in it (all_reduce, barrier, a DDP step) waits for "
+                      "ranks that are not running it, and never returns. Run such code on every rank."]
     for rank, stack in sorted(stacks.items()):
         lines.append("")
         lines.append(f"── rank {rank} ──")
         lines.extend(_prefixed(stack.strip() or "(no stack: the rank was in native code or exited)", rank))
     lines.append("")
-    lines.append("A rank waiting in a collective (all_reduce, barrier) usually means another rank "
-                 "skipped it or is stuck earlier. Raise timeout= if the work is just slow.")
+    if ranks is None:
+        lines.append("A rank waiting in a collective (all_reduce, barrier) usually means another rank "
+                     "skipped it or is stuck earlier. Raise timeout= if the work is just slow.")
+    elif persistent:
+        lines.append("The session was closed with its workers; start a new one with Session.start() or "
+                     "%distributed start (or %distributed restart).")
     return LaunchTimeout("\n".join(lines), tuple(_root_cause_first(failures)))
 
 

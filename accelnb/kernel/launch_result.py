@@ -56,7 +56,8 @@ class Attempt:
 class LaunchResult:
     """The outcome of :func:`accelnb.launch`.
 
-    ``value`` is rank 0's return value; ``values[r]`` is rank r's (collected for every rank by
+    ``value`` is rank 0's return value (the first chosen rank's, for a session call with
+    ``ranks=``); ``values[r]`` is rank r's (collected for every rank by
     ``launch``, for rank 0 only by ``notebook_launcher``). With restarts, the values and outputs
     are the last attempt's, ``metrics`` spans every attempt (each record says which), ``seconds``
     is the whole launch, and ``attempts`` records each attempt in order.
@@ -68,10 +69,11 @@ class LaunchResult:
     metrics: MetricHistory = field(default_factory=lambda: MetricHistory())
     outputs: dict[int, str] = field(default_factory=dict, repr=False)
     attempts: list[Attempt] = field(default_factory=list)
+    value_rank: int = 0  # whose value ``value`` is
 
     @property
     def value(self) -> Any:
-        return self.values.get(0)
+        return self.values.get(self.value_rank)
 
     def output(self, rank: int = 0) -> str:
         """Everything rank ``rank`` printed (the last few MB), stdout and stderr interleaved."""

@@ -24,7 +24,7 @@ from accelnb.errors import LaunchConfigError
 from accelnb.kernel.run_state import current_run
 
 DEFAULT_WAIT_S = 1.0
-_NO_DUMP = "(no stack came back in time: the rank may be inside C code that holds the GIL)"
+NO_DUMP = "(no stack came back in time: the rank may be inside C code that holds the GIL)"
 
 
 class StackDump(dict[int, str]):
@@ -33,7 +33,7 @@ class StackDump(dict[int, str]):
     def __str__(self) -> str:
         if not self:
             return "(no live ranks)"
-        return "\n\n".join(f"── rank {rank} ──\n{text or _NO_DUMP}" for rank, text in sorted(self.items()))
+        return "\n\n".join(f"── rank {rank} ──\n{text or NO_DUMP}" for rank, text in sorted(self.items()))
 
     def _repr_pretty_(self, printer: Any, cycle: bool) -> None:  # IPython shows it as text, not a dict repr
         printer.text(str(self))

@@ -107,8 +107,12 @@ def start_workers(the_plan: planning.LaunchPlan, master_port: int | None, *, per
 
 def run_on_group(group: WorkerGroup, payload: Packed, *, collect: Literal["rank0", "all"],
                  timeout: float | None, output: OutputMode, metrics: MetricRoute | None = None,
-                 time_left: float | None = None) -> LaunchResult:
-    """Run one packed call on every worker of ``group`` and gather what came back.
+                 time_left: float | None = None, chosen_ranks: Sequence[int] | None = None) -> LaunchResult:
+    """Run one packed call on every worker of ``group`` (or on ``chosen_ranks`` only, a session's
+    chosen ranks) and gather what came back.
+
+    With ``chosen_ranks``, "rank 0" in ``collect`` and ``output`` means the first rank listed, and the
+    output of every chosen rank is shown with ``[rank N]`` prefixes (none with ``output="none"``).
 
     ``metrics`` receives the run's metric batches (a fresh route when None). ``time_left``: the
     part of ``timeout`` earlier attempts left (None: all of it); messages name ``timeout``.
@@ -116,9 +120,15 @@ def run_on_group(group: WorkerGroup, payload: Packed, *, collect: Literal["rank0
     Raises what :func:`~accelnb.kernel.failure_report.exception_for` says the outcome calls for
     (``RankFailed``, ``RankCrashed``, ``LaunchTimeout``, ``HelperDied``, ``RunInterrupted``).
     """
+    chosen = list(chosen_ranks) if chosen_ranks is not None else None
     ranks = [r.rank for r in group.plan.ranks]
-    group.output.live_ranks = {0} if output == "rank0" else (set(ranks) if output == "all" else set())
-    group.output.prefix = output == "all"
+    if chosen is None:
+        group.output.live_ranks = {0} if output == "rank0" else (set(ranks) if output == "all" else set())
+        group.output.prefix = output == "all"
+    else:
+        group.output.live_ranks = set() if output == "none" else set(chosen)
+        group.output.prefix = True
+    first = 0 if chosen is None else chosen[0]
     marks = {rank: group.output.position(rank) for rank in ranks}
     route = metrics if metrics is not None else MetricRoute()
     history = route.history
@@ -131,12 +141,13 @@ def run_on_group(group: WorkerGroup, payload: Packed, *, collect: Literal["rank0
         return LaunchResult(values=values, plan=group.plan, seconds=time.perf_counter() - started,
                             metrics=history,
                             outputs={rank: group.output.text_since(rank, marks[rank]) for rank in ranks},
-                            attempts=[Attempt.ended_by(route.attempt, started_at, error)])
+                            attempts=[Attempt.ended_by(route.attempt, started_at, error)], value_rank=first)
 
     error: BaseException | None = None
     try:
-        outcome = group.call(payload, {0} if collect == "rank0" else set(ranks),
-                             timeout if time_left is None else time_left)
+        outcome = group.call(payload, {first} if collect == "rank0" else set(chosen or ranks),
+                             timeout if time_left is None else time_left,
+                             None if chosen is None else frozenset(chosen))
         outcome.timeout = timeout  # the message names what the user set, which covers every attempt
         error = exception_for(outcome, show_output_of=set(group.output.live_ranks), persistent=group.persistent)
         if error is None and not group.persistent:

@@ -116,9 +116,11 @@ class _Worker:
 
 @dataclass
 class _Answers:
-    """What came back for one call (``call_id`` None: while stopping, between calls)."""
+    """What came back for one call (``call_id`` None: while stopping, between calls) from the
+    ranks it runs on (``ranks``; None: every rank)."""
 
     call_id: int | None
+    ranks: frozenset[int] | None = None
     values: dict[int, Packed | None] = field(default_factory=dict)
     failures: list[RankFailure] = field(default_factory=list)
 
@@ -127,6 +129,9 @@ class _Answers:
 
     def answered(self) -> set[int]:
         return set(self.values) | {f.rank for f in self.failures}
+
+    def runs_on(self, rank: int) -> bool:
+        return self.ranks is None or rank in self.ranks
 
 
 @dataclass
@@ -277,8 +282,10 @@ class WorkerGroup:
             self.close()
 
     # ── running a call ──────────────────────────────────────────────────────────────────────
-    def call(self, payload: Packed, value_ranks: set[int], timeout: float | None) -> CallOutcome:
-        """Run one packed call on every rank and report how it ended.
+    def call(self, payload: Packed, value_ranks: set[int], timeout: float | None,
+             ranks: frozenset[int] | None = None) -> CallOutcome:
+        """Run one packed call on every rank (or only on ``ranks``: the others stay idle, their
+        state untouched) and report how it ended.
 
         Neither a failure of the ranks nor an interrupt raises here: both are in the outcome,
         after every worker that had to go is gone. Afterwards :attr:`usable` says whether the
@@ -286,11 +293,12 @@ class WorkerGroup:
         answered, even with an exception; otherwise every worker has been stopped.
         """
         with self._driving:
-            return self._call(payload, value_ranks, timeout)
+            return self._call(payload, value_ranks, timeout, ranks)
 
-    def _call(self, payload: Packed, value_ranks: set[int], timeout: float | None) -> CallOutcome:
+    def _call(self, payload: Packed, value_ranks: set[int], timeout: float | None,
+              ranks: frozenset[int] | None) -> CallOutcome:
         self._call_ids += 1
-        answers = _Answers(self._call_ids)
+        answers = _Answers(self._call_ids, ranks)
         # A rank that died while a stack request pumped between calls is this call's root cause.
         answers.failures.extend(self._between_calls.failures)
         self._between_calls.failures.clear()
@@ -300,7 +308,7 @@ class WorkerGroup:
         try:
             self._pump(0, answers)  # the helper or a rank may have died since the last call
             if self._helper_death is None:
-                self._send_call(answers.call_id, payload, value_ranks)
+                self._send_call(answers, payload, value_ranks)
             self._call_phase = "running"
             waited = self._wait_for_answers(answers, timeout)
             if waited == "stop_requested":
@@ -310,14 +318,15 @@ class WorkerGroup:
         except KeyboardInterrupt:
             ending = "interrupted"
         return self._conclude(CallOutcome(ending, answers.values, answers.failures, timeout=timeout,
-                                          phase=self._call_phase, stop_source=source), answers)
+                                          phase=self._call_phase, stop_source=source,
+                                          ranks=None if ranks is None else sorted(ranks)), answers)
 
-    def _send_call(self, call_id: int | None, payload: Packed, value_ranks: set[int]) -> None:
+    def _send_call(self, answers: _Answers, payload: Packed, value_ranks: set[int]) -> None:
         """One frame for all ranks: its big buffers are written once, each rank maps them."""
-        assert call_id is not None
-        with encode(RunCall(call_id, payload, frozenset(value_ranks))) as frame:
+        assert answers.call_id is not None
+        with encode(RunCall(answers.call_id, payload, frozenset(value_ranks))) as frame:
             for worker in self.workers:
-                if not worker.alive or worker.inbox is None:
+                if not worker.alive or worker.inbox is None or not answers.runs_on(worker.rank):
                     continue
                 self._step("call-writing")
                 self._call_phase = "sending"
@@ -341,7 +350,7 @@ class WorkerGroup:
                 return "helper_died"
             if answers.failures:
                 return "failed"
-            if len(answers.values) == len(self.workers):
+            if len(answers.values) == self._running(answers):
                 return "answered"
             if self.run is not None and self.run.stop_requested.is_set():
                 self.run.stop_requested.clear()
@@ -376,7 +385,7 @@ class WorkerGroup:
         """Wait up to ``wait`` s for every rank to answer the current call."""
         deadline = time.monotonic() + wait
         while time.monotonic() < deadline and self._helper_death is None:
-            if len(answers.answered()) == len(self.workers):
+            if len(answers.answered()) == self._running(answers):
                 return all(w.alive for w in self.workers)
             self._pump(0.02, answers)
         return False
@@ -384,12 +393,16 @@ class WorkerGroup:
     def _interrupt_call(self, answers: _Answers) -> bool:
         """SIGINT the ranks still working; True when all stopped their code and live on."""
         for worker in self.workers:
-            if worker.alive and worker.rank not in answers.values:
-                _signal_pid(worker.pid, signal.SIGINT)
+            if worker.alive and worker.rank not in answers.values and answers.runs_on(worker.rank):
+                _signal_pid(worker.pid, signal.SIGINT)  # an idle rank would take it as a fatal interrupt
         try:
             return self._all_answer(answers, INTERRUPT_GRACE_S)
         except KeyboardInterrupt:
             return False
+
+    def _running(self, answers: _Answers) -> int:
+        """How many ranks the call runs on: how many answers end it."""
+        return len(self.workers) if answers.ranks is None else len(answers.ranks)
 
     def _run_display_hooks(self) -> None:
         # Once per wake-up would be thousands a second under an output flood.

@@ -2,7 +2,8 @@
 
 While a cell runs, ipykernel handles no shell message: a Stop button clicked during a launch
 would only be seen after the launch ended. :func:`process_comm_messages` fixes that for the
-duration of a launch. The panels register it as a launcher wait hook, so it runs from the
+duration of a launch. The panels register it as a launcher wait hook
+(:func:`let_comm_messages_through_runs`, counted: one hook however many panels), so it runs from the
 thread that waits (the kernel's main thread) at the wait hooks' rate,
 :data:`accelnb.kernel.run_state.WAIT_HOOK_RATE_HZ` (twenty times a second)::
 
@@ -41,8 +42,11 @@ import inspect
 import logging
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+
+from accelnb.kernel import run_state
 
 COMM_MESSAGE_TYPES = frozenset({"comm_open", "comm_msg", "comm_close"})
 MAX_MESSAGES_PER_CALL = 64  # the launcher's wait loop must keep pumping worker output
@@ -96,6 +100,37 @@ def process_comm_messages(limit: int = MAX_MESSAGES_PER_CALL) -> int:
             _dispatch_comm(route, *parsed)
             handled += 1
     return handled
+
+
+_hook_users = 0
+_hook_lock = threading.Lock()
+_unregister_hook: Callable[[], None] | None = None
+
+
+def let_comm_messages_through_runs() -> Callable[[], None]:
+    """Register :func:`process_comm_messages` as a launcher wait hook while at least one display
+    (a notebook panel, a JupyterLab side panel) needs its clicks heard during a run; returns the
+    release of this one (calling it again does nothing)."""
+    global _hook_users, _unregister_hook
+    with _hook_lock:
+        _hook_users += 1
+        if _unregister_hook is None:
+            _unregister_hook = run_state.add_wait_hook(process_comm_messages)
+    released = False
+
+    def release() -> None:
+        global _hook_users, _unregister_hook
+        nonlocal released
+        with _hook_lock:
+            if released:
+                return
+            released = True
+            _hook_users -= 1
+            if _hook_users == 0 and _unregister_hook is not None:
+                _unregister_hook()
+                _unregister_hook = None
+
+    return release
 
 
 def comm_messages_supported() -> bool:

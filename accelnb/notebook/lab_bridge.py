@@ -19,6 +19,9 @@ The protocol (every message is the ``data`` of a Jupyter comm message, a JSON ob
       {"type": "select", "gpus": []}        ──►  clear_selection()  (so does a select with neither)
       {"type": "refresh"}                   ──►  read the inventory again, answer with a state
       {"type": "stop"}                      ──►  run_state.request_stop()
+      {"type": "stacks"}                    ──►  every rank's stack, read on a thread; nothing stops
+                                            ◄──  {"type": "stacks", "taken_at": "HH:MM:SS",
+                                                  "ranks": [{"rank", "stack"}], "error": str}
                                             ◄──  {"type": "state", ...}          after every
                                                  selection change and run change, whoever made it
                                             ◄──  {"type": "error", "message": "..."}  a request
@@ -46,8 +49,12 @@ init and shutdown there would delay every launch while a panel is open. Each pan
 :class:`InventoryReads`: one background thread that reads when asked and then sends a state;
 until its first read, the panel is sent nothing. Run changes arrive from the launcher's threads:
 ipykernel sends comm messages from any thread through its IOPub thread, so states reach the
-panel while a launch blocks the cell. Messages *from* the panel wait until the cell ends; that is
-why the panel's Stop button interrupts the kernel instead.
+panel while a launch blocks the cell. Messages *from* the panel get through a launch that blocks
+the cell too: while a panel is connected, :func:`accelnb.notebook.kernel_messages.let_comm_messages_through_runs`
+dispatches them from the launch's wait loop (the panel's Stop button still also interrupts the
+kernel, which works in kernels where that hook cannot). So a ``stacks`` request is answered
+during the run; it is served on a thread of its own, because the launch's thread, which handles
+the message, is the one that reads the dumps off the ranks' pipes.
 
 GPU choices are checked by the planner's own rules (:func:`accelnb.kernel.planning.plan`), so the
 panel's refusals read exactly as a launch's would.
@@ -62,6 +69,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +77,9 @@ import comm
 
 from accelnb.kernel import run_state, selection
 from accelnb.kernel.inventory import Inventory, InventorySource, read_inventory
+from accelnb.kernel.live_stacks import DEFAULT_WAIT_S, NO_DUMP
 from accelnb.kernel.planning import plan
+from accelnb.notebook.kernel_messages import let_comm_messages_through_runs
 
 if TYPE_CHECKING:
     from comm.base_comm import BaseComm
@@ -176,6 +186,7 @@ class PanelConnection:
         self._unsubscribe = [
             selection.on_selection_change(lambda _selection: self.send_state()),
             run_state.on_run_change(self._on_run_change),
+            let_comm_messages_through_runs(),
         ]
         _panels.append(self)
         self._reads.request()  # the first state goes out once the GPUs are known
@@ -200,8 +211,11 @@ class PanelConnection:
             elif kind == "stop":
                 run_state.request_stop()
                 self.send_state()
+            elif kind == "stacks":
+                threading.Thread(target=self._send_stacks, name="accelnb-lab-stacks", daemon=True).start()
             else:
-                raise ValueError(f"Unknown panel message type {kind!r}; expected select, refresh or stop.")
+                raise ValueError(f"Unknown panel message type {kind!r}; expected select, refresh, stop "
+                                 "or stacks.")
         except ValueError as error:  # LaunchConfigError included: the planner's and selection's words
             self._send({"type": "error", "message": str(error)})
             self.send_state()
@@ -225,6 +239,20 @@ class PanelConnection:
         self._reads.first_read.wait(FIRST_READ_WAIT_S)
         planned = plan(gpus=gpus, inventory=self._inventory)
         return [rank.gpu.index for rank in planned.ranks if rank.gpu is not None]
+
+    def _send_stacks(self) -> None:
+        run = run_state.current_run()
+        message: dict[str, Any] = {"type": "stacks", "taken_at": time.strftime("%H:%M:%S"), "ranks": [],
+                                   "error": ""}
+        if run is None or run.finished or run.collect_stacks is None:
+            message["error"] = "No run in progress: there are no stacks to show."
+        else:
+            try:
+                dumps = run.collect_stacks(DEFAULT_WAIT_S)
+                message["ranks"] = [{"rank": rank, "stack": text or NO_DUMP} for rank, text in sorted(dumps.items())]
+            except Exception as error:  # the run ended under us, say
+                message["error"] = f"The stacks could not be read: {type(error).__name__}: {error}"
+        self._send(message)
 
     def _on_close(self, msg: dict[str, Any]) -> None:
         self._end()

@@ -8,6 +8,9 @@
     final_accuracy                                       # rank 0's value is the cell's result
 
     %distributed start --procs 2        # a persistent session: the next cells run on its workers
+
+    %%distributed --ranks 1             # in a session: this cell runs on rank 1 only, [rank 1] prefixed
+    print(optimizer.param_groups[0]["lr"])
     %distributed status | stop | restart [--procs 3] | panel | doctor
 
 Each form has its own grammar, as ipyparallel's magics do: the cell form takes every launch
@@ -17,7 +20,7 @@ than silently ignored. The flags, their choices and their help are generated fro
 :class:`accelnb.options.LaunchOptions`, and parsing ends in one: the magic cannot drift from the API.
 
 The notebook names the cell reads are shipped to every rank by cloudpickle (modules are imported
-there instead), the names it assigns come back from rank 0, and the last result is
+there instead), the names it assigns come back from rank 0 (the first of ``--ranks``), and the last result is
 ``_distributed`` (a :class:`~accelnb.kernel.launch_result.LaunchResult`, with ``.metrics``).
 """
 
@@ -43,8 +46,8 @@ from accelnb.kernel.payload import check_picklable
 from accelnb.launcher import launch_with, plan_launch
 from accelnb.options import (
     ALL_OPTIONS,
-    CALL_OPTIONS,
     RESTART_OPTIONS,
+    SESSION_CALL_OPTIONS,
     START_OPTIONS,
     LaunchOptions,
     Scope,
@@ -96,7 +99,8 @@ def _option_parser(prog: str, description: str, scopes: tuple[Scope, ...]) -> Ma
 
 
 # IPython's help formatter adds one "%" to each prog.
-CELL_GRAMMAR = _option_parser("%distributed", "Run this cell on every rank.", ("start", "call", "launch"))
+CELL_GRAMMAR = _option_parser("%distributed", "Run this cell on every rank (or, in a session, on --ranks).",
+                              ("start", "call", "launch", "session"))
 CELL_GRAMMAR.add_argument("--return", dest="return_names", default=None, metavar="NAMES",
                           help='names to bring back from rank 0, comma-separated, whatever their size, '
                                'or "none" (default: every name the cell assigns, within --return-limit)')
@@ -192,12 +196,16 @@ class DistributedMagics(Magics):
                              f"starts fresh workers, and the session's workers hold the variables of earlier "
                              f"cells. `%distributed stop` first to run this cell as a one-shot launch with "
                              f"restarts.")
+        if "ranks" in given and not in_session:
+            raise UsageError("--ranks runs the cell on some ranks of a running session, and no session is "
+                             "running. Start one with `%distributed start --procs 2` (or --gpus 0,1), then "
+                             "run this cell again; or drop --ranks to run it on every rank of a one-shot launch.")
         with _as_usage_error():
             options = _CELL_DEFAULTS.with_keywords(given, accepted=ALL_OPTIONS, caller="%%distributed")
         # IPython has already counted this cell when magics run: the prompt shows one less.
         request = CellRequest(source=source, filename=f"<cell In[{self.shell.execution_count - 1}]>",
                               header=header, names={}, modules={}, return_names=returns.names,
-                              return_limit=returns.limit)
+                              return_limit=returns.limit, reply_rank=options.ranks[0] if options.ranks else 0)
         request.names.update(self._ship(source, skip=self._names_on_ranks if in_session else set()))
         request.modules.update(self._modules(source))
         try:
@@ -205,7 +213,8 @@ class DistributedMagics(Magics):
                 if in_session:
                     assert self.session is not None
                     result = self.session.run(run_cell, (request,), **_call_keywords(options))
-                    self._names_on_ranks.update(assigned_names(source))
+                    if options.ranks is None:  # names a --ranks cell assigns are on its ranks only:
+                        self._names_on_ranks.update(assigned_names(source))  # later cells ship them
                 else:
                     result = launch_with(run_cell, (request,), {}, options)
         finally:
@@ -245,7 +254,7 @@ class DistributedMagics(Magics):
                 outcome.not_returned[name] = f"cannot be rebuilt in the notebook: {type(error).__name__}: {error}"
         notes = []
         if arrived:
-            notes.append("accelnb: brought back from rank 0: " + ", ".join(arrived))
+            notes.append(f"accelnb: brought back from rank {result.value_rank}: " + ", ".join(arrived))
         for name, why in outcome.not_returned.items():
             notes.append(f"accelnb: not brought back: {name} ({why})")
         notes += _kept_for_size_notes(outcome.kept_for_size, returns.limit, in_session)
@@ -328,7 +337,7 @@ def _start_options(given: dict[str, Any]) -> LaunchOptions:
 
 def _call_keywords(options: LaunchOptions) -> dict[str, Any]:
     """The call options of ``options``, as keywords of ``Session.run``."""
-    return {name: getattr(options, name) for name in CALL_OPTIONS}
+    return {name: getattr(options, name) for name in SESSION_CALL_OPTIONS}
 
 
 def _kept_for_size_notes(sizes: dict[str, int], limit: int | None, in_session: bool) -> list[str]:

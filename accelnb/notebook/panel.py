@@ -14,9 +14,12 @@ elsewhere (another panel, the JupyterLab side panel, ``set_selection``) ticks th
 no GPU, a CPU-ranks control takes the table's place. A synthetic inventory is flagged in a banner.
 
 While a run goes, each rank's state (starting, running, done, failed, stopped) is shown, with a
-Stop button. A click reaches the kernel while the cell is still blocked in the launch because the
-panel registers :func:`accelnb.notebook.kernel_messages.process_comm_messages` as a launcher wait
-hook.
+Stop button and a Stacks button. A click reaches the kernel while the cell is still blocked in the
+launch because the panel registers :func:`accelnb.notebook.kernel_messages.process_comm_messages`
+as a launcher wait hook. Stacks shows every rank's current Python stack in the panel and stops
+nothing: the click only starts a thread that asks for the dumps (``RunState.collect_stacks``) and
+returns, since the launching thread that runs the click's handler is the one that reads them off
+the ranks' pipes; between cells of a session, the thread reads them itself.
 
 ``close()`` ends the refresh thread and the subscriptions. accelnb itself holds a panel only
 weakly (its selection and run subscriptions, the refresh thread, the wait hook), so a panel
@@ -28,6 +31,7 @@ unreferenced panel without either.
 
 from __future__ import annotations
 
+import html
 import logging
 import os
 import threading
@@ -41,6 +45,7 @@ import ipywidgets as widgets
 
 from accelnb.kernel import run_state
 from accelnb.kernel.inventory import GpuInfo, Inventory, read_inventory
+from accelnb.kernel.live_stacks import DEFAULT_WAIT_S, StackDump
 from accelnb.kernel.selection import (
     Selection,
     clear_selection,
@@ -127,8 +132,13 @@ class Panel(widgets.VBox):
         self.stop_button = widgets.Button(description="Stop run", icon="stop", button_style="danger",
                                           disabled=True, tooltip="Stop every rank of the run")
         self.stop_hint = widgets.HTML()
+        self.stacks_button = widgets.Button(description="Stacks", icon="align-left", disabled=True,
+                                            tooltip="Show every rank's current Python stack; nothing stops")
+        self.stacks_view = widgets.HTML()
+        self._reading_stacks = False
         self.run_box = widgets.VBox([self.run_title, self.rank_box,
-                                     widgets.HBox([self.stop_button, self.stop_hint])],
+                                     widgets.HBox([self.stop_button, self.stacks_button, self.stop_hint]),
+                                     self.stacks_view],
                                     layout=widgets.Layout(display="none"))
         super().__init__([self.banner, self.gpu_table, self.cpu_box, self.magic_line, self.refreshed,
                           self.run_box], **kwargs)
@@ -136,6 +146,7 @@ class Panel(widgets.VBox):
         self.use_cpu.observe(self._on_cpu_change, names="value")
         self.cpu_ranks.observe(self._on_cpu_change, names="value")
         self.stop_button.on_click(self._on_stop_click)
+        self.stacks_button.on_click(self._on_stacks_click)
         self.refresh()
         self._on_selection(current_selection())
         self._on_run(run_state.current_run())
@@ -144,7 +155,7 @@ class Panel(widgets.VBox):
         stop_refreshing = threading.Event()
         releases = [on_selection_change(_weakly(self, Panel._on_selection)),
                     run_state.on_run_change(_weakly(self, Panel._on_run)),
-                    _stop_reaches_busy_kernel()]
+                    kernel_messages.let_comm_messages_through_runs()]
         self._release = weakref.finalize(self, _release_all, stop_refreshing, releases)
         if refresh_interval is not None:
             threading.Thread(target=_refresh_loop, args=(weakref.ref(self), stop_refreshing, refresh_interval),
@@ -256,6 +267,7 @@ class Panel(widgets.VBox):
             stopping = run.stop_requested.is_set()
             self.stop_button.disabled = run.finished or stopping
             self.stop_button.description = "Stopping…" if stopping and not run.finished else "Stop run"
+            self.stacks_button.disabled = run.finished or run.collect_stacks is None or self._reading_stacks
             unsupported = (kernel_messages.running_in_kernel()
                            and not kernel_messages.comm_messages_supported())
             self.stop_hint.value = ("<small>This kernel cannot take a click while the cell runs: use "
@@ -265,6 +277,28 @@ class Panel(widgets.VBox):
         if run_state.request_stop():
             self.stop_button.disabled = True
             self.stop_button.description = "Stopping…"
+
+    def _on_stacks_click(self, _button: widgets.Button) -> None:
+        run = run_state.current_run()
+        if run is None or run.finished or run.collect_stacks is None:
+            self.stacks_view.value = "<small>No run in progress: there are no stacks to show.</small>"
+            return
+        with self._lock:
+            self._reading_stacks = True
+            self.stacks_button.disabled = True
+            self.stacks_button.description = "Reading stacks…"
+        threading.Thread(target=_read_stacks, args=(weakref.ref(self), run.collect_stacks),
+                         name="accelnb-panel-stacks", daemon=True).start()
+
+    def _show_stacks(self, text: str) -> None:
+        with self._lock:
+            self._reading_stacks = False
+            self.stacks_view.value = (f"<b>Stacks at {time.strftime('%H:%M:%S')}</b> <small>(nothing was "
+                                      f"stopped)</small><pre style='max-height:24em;overflow:auto;"
+                                      f"font-size:90%'>{html.escape(text)}</pre>")
+            self.stacks_button.description = "Stacks"
+            run = run_state.current_run()
+            self.stacks_button.disabled = run is None or run.finished
 
     # ── lifetime ────────────────────────────────────────────────────────────────────────────
     def close(self) -> None:
@@ -312,33 +346,15 @@ def _refresh_loop(panel_ref: weakref.ref[Panel], stop: threading.Event, interval
         del panel  # hold no reference while sleeping
 
 
-_hook_users = 0
-_hook_lock = threading.Lock()
-_unregister_hook: Callable[[], None] | None = None
-
-
-def _stop_reaches_busy_kernel() -> Callable[[], None]:
-    """Register the comm-message wait hook while at least one panel is open."""
-    global _hook_users, _unregister_hook
-    with _hook_lock:
-        _hook_users += 1
-        if _unregister_hook is None:
-            _unregister_hook = run_state.add_wait_hook(kernel_messages.process_comm_messages)
-    released = False
-
-    def release() -> None:
-        global _hook_users, _unregister_hook
-        nonlocal released
-        with _hook_lock:
-            if released:
-                return
-            released = True
-            _hook_users -= 1
-            if _hook_users == 0 and _unregister_hook is not None:
-                _unregister_hook()
-                _unregister_hook = None
-
-    return release
+def _read_stacks(panel_ref: weakref.ref[Panel], collect: Callable[[float], dict[int, str]]) -> None:
+    """Ask for the dumps off the kernel's main thread (which serves them), then show them."""
+    try:
+        text = str(StackDump(collect(DEFAULT_WAIT_S)))
+    except Exception as error:  # the run ended under us, say; the panel must live on
+        text = f"The stacks could not be read: {type(error).__name__}: {error}"
+    panel = panel_ref()
+    if panel is not None:
+        panel._show_stacks(text)
 
 
 def _new_row(gpu: GpuInfo) -> GpuRow:

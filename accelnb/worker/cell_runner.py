@@ -6,8 +6,9 @@ session keeps variables between cells), with ``rank``, ``local_rank``, ``world_s
 ``device`` predefined. ``device`` is the rank's planned device, read from ``ACCELNB_DEVICE`` and
 never re-derived here: a synthetic inventory on a GPU host plans cpu, and the cell gets cpu. The
 source is registered with ``linecache`` under the cell's own file name, so tracebacks show the
-cell's line numbers and lines. Rank 0 sends back the value of the last expression and the names
-the cell assigned (tensors on the CPU), within a size budget (``worker/return_budget.py``).
+cell's line numbers and lines. Rank 0 (the first of ``--ranks``) sends back the value of the last
+expression and the names the cell assigned (tensors on the CPU), within a size budget
+(``worker/return_budget.py``).
 
     >>> run_cell(CellRequest(source="x = rank\nx + 1", filename="<cell In[1]>",
     ...                      header="%%distributed", names={}, modules={}, return_names=None))
@@ -42,6 +43,7 @@ class CellRequest:
     modules: dict[str, str]  # name → module to import, for notebook names that are modules
     return_names: list[str] | None  # None: every assigned name, within return_limit; []: none
     return_limit: int | None = DEFAULT_RETURN_LIMIT  # bytes; None: no budget
+    reply_rank: int = 0  # the rank whose value and names come back (the first of --ranks)
 
 
 @dataclass
@@ -55,7 +57,7 @@ class CellOutcome:
 
 
 def run_cell(request: CellRequest) -> CellOutcome | None:
-    """Execute the cell on this rank; rank 0 returns what goes back to the notebook."""
+    """Execute the cell on this rank; the reply rank (0) returns what goes back to the notebook."""
     import torch
 
     namespace = _namespace
@@ -75,7 +77,7 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
     assert last is None or isinstance(last, ast.Expr)
     exec(compile(tree, request.filename, "exec"), namespace)
     value = eval(compile(ast.Expression(last.value), request.filename, "eval"), namespace) if last else None
-    if rank != 0:
+    if rank != request.reply_rank:
         return None
 
     outcome = CellOutcome()
@@ -90,7 +92,7 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
     wanted = request.return_names if request.return_names is not None else assigned_names(request.source)
     for name in wanted:
         if name not in namespace:
-            outcome.not_returned[name] = "not defined on rank 0"
+            outcome.not_returned[name] = f"not defined on rank {rank}"
     present = [name for name in wanted if name in namespace]
     choice = choose_returns(namespace, present, explicit=explicit, limit=request.return_limit)
     outcome.not_returned.update(choice.kept_for_kind)

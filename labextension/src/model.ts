@@ -3,7 +3,8 @@
  *
  * It follows a session context (the current notebook's), finds out whether accelnb is loaded
  * in its kernel, opens the comm when it is, and keeps the latest state the kernel sent. The
- * view only reads `connection`, `state` and `error`, and calls `select`, `refresh`, `stop`.
+ * view only reads `connection`, `state`, `error`, `stacks` and `stacksPending`, and calls `select`,
+ * `refresh`, `stop`, `requestStacks`.
  *
  * Finding out whether accelnb is loaded: opening a comm to a target the kernel does not know
  * makes ipykernel log an error and close it, so instead of trying blindly after every cell we
@@ -17,7 +18,7 @@ import { ISessionContext } from '@jupyterlab/apputils';
 import { Kernel, KernelMessage as KM } from '@jupyterlab/services';
 import { ISignal, Signal } from '@lumino/signaling';
 
-import { COMM_TARGET, IStateMessage, KernelMessage, PanelMessage } from './protocol';
+import { COMM_TARGET, IStacksMessage, IStateMessage, KernelMessage, PanelMessage } from './protocol';
 
 /** Where the panel stands with the current notebook. */
 export type Connection =
@@ -52,6 +53,16 @@ export class GpuPanelModel {
     return this._error;
   }
 
+  /** The last stacks the kernel sent (null before the first request, and for a new kernel). */
+  get stacks(): IStacksMessage | null {
+    return this._stacks;
+  }
+
+  /** A stacks request is on its way: the kernel answers within about a second. */
+  get stacksPending(): boolean {
+    return this._stacksPending;
+  }
+
   /** The name of the followed notebook, for the panel's header. */
   get notebookName(): string {
     return this._session?.name ?? '';
@@ -70,6 +81,8 @@ export class GpuPanelModel {
     this._closeComm();
     this._state = null;
     this._error = '';
+    this._stacks = null;
+    this._stacksPending = false;
     this._session = session;
     if (session) {
       session.kernelChanged.connect(this._onKernelChanged, this);
@@ -108,6 +121,21 @@ export class GpuPanelModel {
     if (kernel && kernel.status === 'busy') {
       await kernel.interrupt();
     }
+  }
+
+  /**
+   * Ask for every rank's current Python stack. Nothing stops: the kernel reads the stacks while
+   * the launch cell keeps running (comm messages get through a launch's wait loop while a panel
+   * is connected), and answers with a `stacks` message.
+   */
+  requestStacks(): void {
+    if (!this._comm || this._comm.isDisposed) {
+      this._send({ type: 'stacks' }); // says why it cannot
+      return;
+    }
+    this._stacksPending = true;
+    this._changed.emit();
+    this._send({ type: 'stacks' });
   }
 
   dispose(): void {
@@ -213,6 +241,10 @@ export class GpuPanelModel {
       } else if (data.type === 'error') {
         this._error = data.message;
         this._changed.emit();
+      } else if (data.type === 'stacks') {
+        this._stacks = data;
+        this._stacksPending = false;
+        this._changed.emit();
       }
     };
     comm.onClose = () => {
@@ -261,6 +293,8 @@ export class GpuPanelModel {
   private _connection: Connection = 'no-notebook';
   private _state: IStateMessage | null = null;
   private _error = '';
+  private _stacks: IStacksMessage | null = null;
+  private _stacksPending = false;
   private _probeWanted = false;
   private _probing = false;
   private _changed = new Signal<this, void>(this);

@@ -60,11 +60,20 @@ export interface IErrorMessage {
   message: string;
 }
 
-export type KernelMessage = IStateMessage | IErrorMessage;
+/** Every rank's current Python stack, answering a `stacks` request; nothing was stopped. */
+export interface IStacksMessage {
+  type: 'stacks';
+  taken_at: string; // HH:MM:SS, the kernel's clock
+  ranks: { rank: number; stack: string }[];
+  error: string; // non-empty: no stacks (no run in progress, or the run ended meanwhile)
+}
+
+export type KernelMessage = IStateMessage | IErrorMessage | IStacksMessage;
 
 /** Panel → kernel. */
 export type PanelMessage =
   | { type: 'select'; gpus: number[] }
   | { type: 'select'; num_processes: number }
   | { type: 'refresh' }
-  | { type: 'stop' };
+  | { type: 'stop' }
+  | { type: 'stacks' };

@@ -4,14 +4,14 @@
  * Sections, top to bottom: which notebook it follows and whether accelnb is loaded there; a
  * banner when the inventory is synthetic; the GPU table with one checkbox per GPU (or a number
  * of CPU ranks when there is no GPU); the selection as the equivalent `%%distributed` line; the
- * run in progress, one row per rank, with a Stop button.
+ * run in progress, one row per rank, with a Stop button and a Stacks button; the last stacks read.
  */
 
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
 import { GpuPanelModel } from './model';
-import { IGpu, IRun, ISelection, IStateMessage } from './protocol';
+import { IGpu, IRun, ISelection, IStacksMessage, IStateMessage } from './protocol';
 
 const GPU_ICON_SVG =
   '<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 24 24">' +
@@ -199,11 +199,37 @@ export class GpuPanelView extends Widget {
       const stop = el('button', 'jp-Button jp-mod-styled jp-mod-warn accelnb-GpuPanel-stop', 'Stop');
       stop.title = 'Interrupt the kernel: accelnb stops every worker of this run';
       stop.addEventListener('click', () => void this._model.stop());
-      section.appendChild(stop);
+      const stacks = el('button', 'jp-Button jp-mod-styled jp-mod-reject accelnb-GpuPanel-stacksButton',
+        this._model.stacksPending ? 'Reading stacks…' : 'Stacks');
+      stacks.title = "Show every rank's current Python stack; nothing stops";
+      (stacks as HTMLButtonElement).disabled = this._model.stacksPending;
+      stacks.addEventListener('click', () => this._model.requestStacks());
+      const buttons = el('div', 'accelnb-GpuPanel-runButtons');
+      buttons.append(stop, stacks);
+      section.appendChild(buttons);
+    }
+    if (this._model.stacks) {
+      section.appendChild(stacksView(this._model.stacks));
     }
   }
 
   private _model: GpuPanelModel;
+}
+
+function stacksView(stacks: IStacksMessage): HTMLElement {
+  const view = el('div', 'accelnb-GpuPanel-stacks');
+  view.appendChild(el('div', 'accelnb-GpuPanel-stacksTitle', `Stacks at ${stacks.taken_at} (nothing was stopped)`));
+  if (stacks.error) {
+    view.appendChild(el('div', 'accelnb-GpuPanel-error', stacks.error));
+  }
+  for (const { rank, stack } of stacks.ranks) {
+    const block = el('div', 'accelnb-GpuPanel-rankStack');
+    block.dataset.rank = String(rank);
+    block.appendChild(el('div', 'accelnb-GpuPanel-rankStackTitle', `rank ${rank}`));
+    block.appendChild(el('pre', '', stack));
+    view.appendChild(block);
+  }
+  return view;
 }
 
 function checkedGpus(table: HTMLTableElement): number[] {
