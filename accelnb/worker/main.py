@@ -20,6 +20,7 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
 
 from __future__ import annotations
 
+import bdb
 import ctypes
 import faulthandler
 import io
@@ -40,10 +41,10 @@ from typing import Any
 import cloudpickle
 
 from accelnb.wire import buffers, channel
-from accelnb.wire.events import CallError, CallResult, Joined, RunCall, Shutdown
+from accelnb.wire.events import CallError, CallResult, InputReply, Joined, RunCall, Shutdown
 from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_kernel
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import report, restarts
+from accelnb.worker import rank_debugger, rank_input, report, restarts
 
 # accelnb/ with a trailing separator: frames under it are ours, whichever subpackage.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -126,6 +127,8 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)
     report.attach(events, spec.rank)
+    rank_input.attach(events, spec.rank, flush=_flush_streams_and_metrics)  # input() asks the notebook
+    rank_debugger.attach()  # breakpoint() opens a (Pdb) prompt there
     restarts.attach(spec.restart_count)
     _start_inbox_reader(inbox_fd, commands)
     flusher = _start_flusher()
@@ -222,6 +225,10 @@ def _wait_until_every_rank_joined(store: Any, world_size: int) -> None:
 
 
 def _describe_error(rank: int, call_id: int | None, error: BaseException) -> CallError:
+    if isinstance(error, bdb.BdbQuit):  # the user's own `q`: no traceback through pdb's frames
+        return CallError(rank=rank, call_id=call_id, type_name="bdb.BdbQuit",
+                         message=f"quit in the debugger on rank {rank}", traceback="",
+                         exception=None, timestamp=time.time())
     return CallError(
         rank=rank,
         call_id=call_id,
@@ -439,7 +446,10 @@ def _start_inbox_reader(inbox_fd: int, commands: queue.Queue[Any]) -> None:
                 # The kernel closes our inbox only after we exited, so end of file here means
                 # the kernel died: nobody will read our result. End our whole process group.
                 os.killpg(0, signal.SIGKILL)
-            commands.put(message)
+            if isinstance(message, InputReply):
+                rank_input.deliver(message)  # to the prompt waiting for it, never to the call loop
+            else:
+                commands.put(message)
 
     threading.Thread(target=read_forever, name="accelnb-inbox", daemon=True).start()
 
