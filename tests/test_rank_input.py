@@ -254,6 +254,8 @@ notebook_launcher(quits, num_processes=2, quiet=True)
 def test_q_in_the_debugger_stops_the_run(kernel: Kernel, no_workers_after: None) -> None:
     msg_id = kernel.execute(QUITS)
     assert kernel.prompt() == "[rank 1] (Pdb) "
+    # The function was defined in a notebook cell: the rank shows its lines too.
+    kernel.stdout_until(msg_id, lambda text: "[rank 1] -> dist.barrier()" in text)
     kernel.answer("q")
     reply = kernel.finish(msg_id)
     assert reply["content"]["status"] == "error"

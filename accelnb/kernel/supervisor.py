@@ -51,6 +51,7 @@ from typing import Any, Literal
 from accelnb.errors import RankFailure
 from accelnb.kernel import run_state
 from accelnb.kernel.call_outcome import CallOutcome, CallPhase, Ending, HelperExit, StopSource
+from accelnb.kernel.cell_sources import in_memory_sources
 from accelnb.kernel.failure_report import exception_failure, exit_failure
 from accelnb.kernel.helper_client import StepHook, WorkerExit, WorkerHelper
 from accelnb.kernel.output import OutputRouter
@@ -328,7 +329,8 @@ class WorkerGroup:
     def _send_call(self, call_id: int | None, payload: Packed, value_ranks: set[int]) -> None:
         """One frame for all ranks: its big buffers are written once, each rank maps them."""
         assert call_id is not None
-        with encode(RunCall(call_id, payload, frozenset(value_ranks))) as frame:
+        call = RunCall(call_id, payload, frozenset(value_ranks), sources=in_memory_sources())
+        with encode(call) as frame:
             for worker in self.workers:
                 if not worker.alive or worker.inbox is None:
                     continue

@@ -26,6 +26,9 @@ class RunCall:
     call_id: int
     payload: Packed  # ``wire/buffers.dump`` of (fn, args, kwargs)
     value_ranks: frozenset[int]
+    # Sources the rank cannot read from disk (notebook cells): filename → text, for its
+    # debugger's and tracebacks' lines (``kernel/cell_sources.py``).
+    sources: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)

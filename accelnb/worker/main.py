@@ -24,6 +24,7 @@ import bdb
 import ctypes
 import faulthandler
 import io
+import linecache
 import os
 import queue
 import select
@@ -163,6 +164,7 @@ def _compile_in_process() -> None:
 def _run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
     """Run one call; True when it returned normally and its value (if wanted) went back."""
     value = None
+    _register_sources(call.sources)
     try:
         # Big arguments are rebuilt over the shared pages the kernel wrote once for all ranks,
         # mapped copy-on-write: this rank may write into them without affecting anyone else.
@@ -183,6 +185,14 @@ def _run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
     _flush_streams_and_metrics()
     events.send(CallResult(rank, call.call_id, data))
     return True
+
+
+def _register_sources(sources: tuple[tuple[str, str], ...]) -> None:
+    """Notebook cells' text, so that the debugger and tracebacks show the lines of notebook code."""
+    for filename, text in sources:
+        if filename not in linecache.cache:
+            lines = text.splitlines(keepends=True)
+            linecache.cache[filename] = (len(text), None, lines, filename)
 
 
 def _join_process_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist: Any) -> None:
