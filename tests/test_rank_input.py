@@ -284,6 +284,53 @@ def test_stop_during_a_prompt_ends_every_worker(kernel: Kernel, no_workers_after
     assert "accelnb stopped the run: every worker was ended on the interrupt." in "\n".join(error["traceback"])
 
 
+IN_SESSION = """
+def stops_in_debugger():
+    import torch.distributed as dist
+    x = dist.get_rank()
+    breakpoint()
+    return x
+session = accelnb.Session.start(num_processes=2)
+session.run(int)
+session.run(stops_in_debugger)
+"""
+
+NEXT_CELL = """
+def steps_off_the_end():
+    import torch.distributed as dist
+    if dist.get_rank() == 0:
+        breakpoint()
+    return 1
+def plain():
+    total = 0
+    for i in range(3):
+        total += i
+    return total
+try:
+    session.run(steps_off_the_end)
+    print("next call", session.run(plain, collect="all").values)
+finally:
+    session.stop()
+"""
+
+
+def test_a_session_survives_its_debugger(kernel: Kernel, no_workers_after: None) -> None:
+    msg_id = kernel.execute(IN_SESSION)
+    assert kernel.prompt() in ("(Pdb) ", "[rank 1] (Pdb) ")
+    kernel.manager.interrupt_kernel()
+    kernel.finish(msg_id)
+    assert "the session and its variables are kept" in "\n".join(kernel.error(msg_id)["traceback"])
+    # `n` past the function's end leaves pdb stepping; a late answer to the interrupted prompt
+    # is still on its way. Neither reaches the next call, which runs plainly.
+    msg_id = kernel.execute(NEXT_CELL)
+    for _ in range(2):
+        assert kernel.prompt() == "(Pdb) "
+        kernel.answer("n")
+    reply = kernel.finish(msg_id, timeout=30)
+    assert reply["content"]["status"] == "ok", reply["content"]
+    assert "next call {0: 3, 1: 3}" in kernel.stream(msg_id)
+
+
 def test_a_client_without_stdin_gets_end_of_input(kernel: Kernel, no_workers_after: None) -> None:
     msg_id = kernel.execute(WAITS, allow_stdin=False)
     reply = kernel.finish(msg_id)

@@ -169,7 +169,10 @@ def _run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
         # Big arguments are rebuilt over the shared pages the kernel wrote once for all ranks,
         # mapped copy-on-write: this rank may write into them without affecting anyone else.
         fn, args, kwargs = buffers.load(call.payload)
-        value = fn(*args, **kwargs)
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            rank_debugger.leave_debugger()
     except BaseException as error:
         if not (isinstance(error, SystemExit) and error.code in (0, None)):
             _flush_streams_and_metrics()

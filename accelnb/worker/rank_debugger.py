@@ -21,6 +21,7 @@ and another debugger named there is used as is.
 
 from __future__ import annotations
 
+import bdb
 import os
 import pdb
 import sys
@@ -76,6 +77,15 @@ class RankPdb(pdb.Pdb):
         super().__init__(completekey, stdin or console, stdout or console,
                          skip=[*(skip or ()), *_MACHINERY_MODULES], nosigint=True, readrc=readrc)
 
+    def _cmdloop(self) -> None:
+        # pdb's own re-prompts on Ctrl-C. In a rank, SIGINT is the kernel interrupting a session's
+        # cell (the Stop button): it must end the call, as anywhere else in the cell.
+        self.allow_kbdint = True
+        try:
+            self.cmdloop()
+        finally:
+            self.allow_kbdint = False
+
     def get_stack(self, f: FrameType | None, t: TracebackType | None) -> tuple[list[tuple[FrameType, int]], int]:
         stack, index = super().get_stack(f, t)
         current = stack[index] if stack else None
@@ -98,6 +108,13 @@ def attach() -> None:
     """Send this rank's ``breakpoint()`` and ``pdb.set_trace()`` through the notebook."""
     sys.breakpointhook = breakpoint_hook
     pdb.Pdb = RankPdb  # type: ignore[misc]  # pdb.set_trace() and post_mortem() make a Pdb()
+
+
+def leave_debugger() -> None:
+    """End a debugger the call left tracing (interrupted at its prompt): the next call of a
+    session must not stop where the old one's ``n`` would have. Other tracers are left alone."""
+    if isinstance(getattr(sys.gettrace(), "__self__", None), bdb.Bdb):
+        sys.settrace(None)
 
 
 def _is_machinery(frame: FrameType) -> bool:
