@@ -308,7 +308,7 @@ def plain():
     return total
 try:
     session.run(steps_off_the_end)
-    print("next call", session.run(plain, collect="all").values)
+    print("next call", sorted(session.run(plain, collect="all").values.items()))
 finally:
     session.stop()
 """
@@ -328,7 +328,7 @@ def test_a_session_survives_its_debugger(kernel: Kernel, no_workers_after: None)
         kernel.answer("n")
     reply = kernel.finish(msg_id, timeout=30)
     assert reply["content"]["status"] == "ok", reply["content"]
-    assert "next call {0: 3, 1: 3}" in kernel.stream(msg_id)
+    assert "next call [(0, 3), (1, 3)]" in kernel.stream(msg_id)
 
 
 def test_a_client_without_stdin_gets_end_of_input(kernel: Kernel, no_workers_after: None) -> None:
