@@ -347,6 +347,7 @@ def fn():
     rank = dist.get_rank()
     if rank == 0:
         print("rank 0 read", input("terminal? "))
+    dist.barrier()  # the answers are piped in order: rank 0's first, then rank 1's debugger
     x = 7 * (rank + 1)
     if rank == 1:
         breakpoint()
