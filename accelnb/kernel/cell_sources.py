@@ -23,7 +23,7 @@ def in_memory_sources(limit: int = SOURCES_LIMIT_CHARS) -> tuple[tuple[str, str]
     chosen: list[tuple[str, str]] = []
     total = 0
     for filename, entry in reversed(list(linecache.cache.items())):
-        if len(entry) != 4 or entry[1] is not None or filename.startswith("<"):
+        if len(entry) != 4 or entry[1] is not None:
             continue  # a file on disk (the rank reads it itself), or lazily loaded
         text = "".join(entry[2])
         total += len(text)
