@@ -273,6 +273,31 @@ def test_q_in_the_debugger_stops_the_run(kernel: Kernel, no_workers_after: None)
     assert "Stopped by accelnb after the failure: rank 0" in text
 
 
+FAILS_MEANWHILE = """
+def one_fails(signal_file):
+    import os, time, torch.distributed as dist
+    if dist.get_rank() == 0:
+        while not os.path.exists(signal_file):  # until the test sees rank 1's prompt
+            time.sleep(0.01)
+        raise ValueError("rank 0 gave up")
+    return input("still there? ")
+notebook_launcher(one_fails, args=({signal_file!r},), num_processes=2, quiet=True)
+"""
+
+
+def test_a_failure_elsewhere_is_told_at_the_prompt(kernel: Kernel, no_workers_after: None,
+                                                    tmp_path: Path) -> None:
+    signal_file = tmp_path / "rank 1 is at its prompt"
+    msg_id = kernel.execute(FAILS_MEANWHILE.replace("{signal_file!r}", repr(str(signal_file))))
+    assert kernel.prompt() == "[rank 1] still there? "
+    signal_file.touch()
+    kernel.stdout_until(msg_id, lambda _: "rank 0 failed (ValueError: rank 0 gave up) while this prompt waits"
+                        in kernel.stream(msg_id, "stderr"))
+    kernel.answer("yes")
+    kernel.finish(msg_id)
+    assert "Rank 0 failed: ValueError: rank 0 gave up" in "\n".join(kernel.error(msg_id)["traceback"])
+
+
 WAITS = """
 def waits():
     return input("never answered? ")

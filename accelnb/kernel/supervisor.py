@@ -380,7 +380,17 @@ class WorkerGroup:
         self._drain(worker, answers, ("stdout", "stderr"))
         self.output.add_text(worker.rank, "stdout", request.shown_first)
         self.output.tick(force=True)
-        reply, seconds = ask_in_kernel(request, pump=lambda: self._pump(WAIT_SLICE_S, answers))
+        told: list[RankFailure] = []
+
+        def pump_and_tell() -> None:
+            self._pump(WAIT_SLICE_S, answers)
+            if answers.failures and not told:  # the run will stop once the prompt is answered
+                told.append(failure := answers.failures[0])
+                self.output.add_text(worker.rank, "stderr", (
+                    f"accelnb: rank {failure.rank} failed ({failure.summary}) while this prompt "
+                    "waits; answer it, or press Stop, to end the run.\n"))
+
+        reply, seconds = ask_in_kernel(request, pump=pump_and_tell)
         if reply.line is None and reply.eof_reason:
             self.output.add_text(worker.rank, "stderr", f"accelnb: {reply.eof_reason}\n")
             self.output.tick(force=True)
