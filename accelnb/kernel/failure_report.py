@@ -36,6 +36,8 @@ from accelnb.wire.result_pickling import loads_in_kernel
 # The exit status of a worker whose set-up failed before it could report why: worker/helper.py
 # exits with 70 (os.EX_SOFTWARE) when anything before worker_main raises.
 SETUP_FAILED_EXIT_CODE = 70
+# The type a rank reports when the user typed `q` at its (Pdb) prompt (worker/rank_debugger.py).
+QUIT_IN_DEBUGGER = "bdb.BdbQuit"
 
 _SIGNAL_HINTS = {
     "SIGKILL": " (sent by the kernel's OOM killer when memory runs out, or by `kill -9`)",
@@ -48,7 +50,10 @@ _SIGNAL_HINTS = {
 # ── failure records ─────────────────────────────────────────────────────────────────────────────
 def exception_failure(rank: int, pid: int, event: CallError, output_tail: str) -> RankFailure:
     """A rank reported an exception: raised by the function, or by the set-up before it."""
-    summary = f"{event.type_name}: {event.message}" if event.message else event.type_name
+    if event.type_name == QUIT_IN_DEBUGGER:
+        summary = "quit in the debugger"
+    else:
+        summary = f"{event.type_name}: {event.message}" if event.message else event.type_name
     return RankFailure(rank=rank, pid=pid, kind="exception", summary=summary, traceback=event.traceback,
                        type_name=event.type_name, exception=event.exception, output_tail=output_tail,
                        timestamp=event.timestamp, in_setup=event.call_id is None)
@@ -190,7 +195,10 @@ def build_exception(failures: Sequence[RankFailure], stopped: Sequence[int], sho
     """The exception for a run in which ranks failed, root cause first."""
     ordered = _root_cause_first(failures)
     root = ordered[0]
-    lines = [f"Rank {root.rank} failed: {root.summary}"]
+    if root.type_name == QUIT_IN_DEBUGGER:  # the user's decision, not a failure to explain
+        lines = [f"The run stopped: quit in the debugger on rank {root.rank}."]
+    else:
+        lines = [f"Rank {root.rank} failed: {root.summary}"]
     if root.in_setup:
         lines.append("This happened while accelnb set the worker up (its environment, the process "
                      "group), before your function ran.")

@@ -116,6 +116,8 @@ class OutputRouter:
         self.skipped_bytes = 0  # everything left out of the live view, lines and parts of lines
         # stderr kept out of the live view while a live stack dump is on its way (see hold_stderr)
         self._held_stderr: dict[int, list[str]] = {}
+        # Ranks that asked for input during the current call: shown live, prefixed (see show_rank)
+        self.prompting_ranks: set[int] = set()
 
     def feed(self, rank: int, stream: Stream, data: bytes) -> None:
         state = self._streams.setdefault((rank, stream), _StreamState())
@@ -126,9 +128,24 @@ class OutputRouter:
         held = self._held_stderr.get(rank) if stream == "stderr" else None
         if held is not None:
             held.append(text)
-        elif rank in self.live_ranks:
+        elif self._is_live(rank):
             state.pending.append(text)
             state.pending_bytes += len(data)
+
+    def show_rank(self, rank: int) -> None:
+        """Show ``rank``'s output live from now on, prefixed unless it is rank 0 (a rank at a prompt
+        or in its debugger: what it prints between prompts must be seen). Until
+        ``prompting_ranks`` is cleared, at the next call."""
+        self.prompting_ranks.add(rank)
+
+    def add_text(self, rank: int, stream: Stream, text: str) -> None:
+        """Output that came by another way than the rank's pipes (its debugger's, with a prompt)."""
+        if text:
+            self.retained.setdefault(rank, RetainedOutput()).append(text)
+            self.show(rank, stream, text)
+
+    def _is_live(self, rank: int) -> bool:
+        return rank in self.live_ranks or rank in self.prompting_ranks
 
     def hold_stderr(self, ranks: Iterable[int]) -> None:
         """Keep these ranks' stderr out of the live view until :meth:`release_stderr`.
@@ -150,7 +167,7 @@ class OutputRouter:
 
     def show(self, rank: int, stream: Stream, text: str) -> None:
         """Queue already retained ``text`` for the live view (output held back for a while)."""
-        if text and rank in self.live_ranks:
+        if text and self._is_live(rank):
             state = self._streams.setdefault((rank, stream), _StreamState())
             state.pending.append(text)
             state.pending_bytes += len(text.encode("utf-8"))
@@ -170,7 +187,7 @@ class OutputRouter:
             rest = state.decoder.decode(b"", final=True)
             if rest:
                 self.retained.setdefault(rank, RetainedOutput()).append(rest)
-                if rank in self.live_ranks:
+                if self._is_live(rank):
                     state.pending.append(rest)
                     state.pending_bytes += len(rest.encode("utf-8"))
         self.tick(force=True)
@@ -194,7 +211,7 @@ class OutputRouter:
         state.pending, state.pending_bytes = [], 0
         if len(text) > self.max_bytes_per_tick:
             text = self._skip_to_budget(rank, stream, state, text, bytes_per_char)
-        if self.prefix:
+        if self.prefix or (rank in self.prompting_ranks and rank != 0):
             text = _prefix_lines(text, f"[rank {rank}] ", state.at_line_start)
         state.at_line_start = text.endswith("\n")
         self.sink(stream, text)

@@ -51,14 +51,25 @@ from typing import Any, Literal
 from accelnb.errors import RankFailure
 from accelnb.kernel import run_state
 from accelnb.kernel.call_outcome import CallOutcome, CallPhase, Ending, HelperExit, StopSource
+from accelnb.kernel.cell_sources import in_memory_sources
 from accelnb.kernel.failure_report import exception_failure, exit_failure
 from accelnb.kernel.helper_client import StepHook, WorkerExit, WorkerHelper
 from accelnb.kernel.output import OutputRouter
 from accelnb.kernel.planning import LaunchPlan
+from accelnb.kernel.rank_prompts import PendingPrompts, ask_in_kernel
 from accelnb.kernel.stacks import clean_stack_dump, split_stack_dump
 from accelnb.wire.buffers import Packed
 from accelnb.wire.channel import MessageReader, encode, receive_chunk, send_frame
-from accelnb.wire.events import CallError, CallResult, Joined, MetricBatch, RunCall, Shutdown
+from accelnb.wire.events import (
+    CallError,
+    CallResult,
+    InputReply,
+    InputRequest,
+    Joined,
+    MetricBatch,
+    RunCall,
+    Shutdown,
+)
 from accelnb.wire.held_interrupts import held_interrupts
 from accelnb.wire.spec import WorkerSpec
 
@@ -73,6 +84,9 @@ SHUTDOWN_WAIT_S = 10.0  # finished workers leave on Shutdown; past this they are
 KILL_WAIT_S = 5.0  # after SIGKILL: how long until the helper reports the exits
 BURY_WAIT_S = 1.0  # the helper died: how long its workers may take to be gone
 WAIT_SLICE_S = 0.05
+# While the kernel waits at a prompt, its pumping thread wakes this often: the prompt returns only
+# once the thread has stopped, so this bounds the delay each answer adds (50 ms made it 100 ms).
+PROMPT_PUMP_SLICE_S = 0.01
 HOOK_INTERVAL_S = 0.1  # display hooks (a Stop button's comm pump) run at most ten times a second
 
 MetricSink = Callable[[MetricBatch], None]
@@ -181,6 +195,7 @@ class WorkerGroup:
         self._stack_request: _StackRequest | None = None
         self._one_stack_request = threading.Lock()
         self._between_calls = _Answers(None)  # what a self-served stack request saw between calls
+        self._prompts = PendingPrompts()  # ranks waiting in input() or their debugger
 
     @property
     def usable(self) -> bool:
@@ -303,6 +318,8 @@ class WorkerGroup:
         answers.failures.extend(self._between_calls.failures)
         self._between_calls.failures.clear()
         self._call_phase = "unsent"
+        self.output.prompting_ranks.clear()
+        self._refuse_prompts("it asked between two cells, when no cell waits for input")
         source: StopSource = "interrupt"
         ending: Ending
         try:
@@ -324,7 +341,8 @@ class WorkerGroup:
     def _send_call(self, answers: _Answers, payload: Packed, value_ranks: set[int]) -> None:
         """One frame for all ranks: its big buffers are written once, each rank maps them."""
         assert answers.call_id is not None
-        with encode(RunCall(answers.call_id, payload, frozenset(value_ranks))) as frame:
+        call = RunCall(answers.call_id, payload, frozenset(value_ranks), sources=in_memory_sources())
+        with encode(call) as frame:
             for worker in self.workers:
                 if not worker.alive or worker.inbox is None or not answers.runs_on(worker.rank):
                     continue
@@ -357,7 +375,55 @@ class WorkerGroup:
                 return "stop_requested"
             if deadline is not None and time.monotonic() > deadline:
                 return "timed_out"
+            if self._prompts:
+                at_prompt = self._answer_prompt(answers)
+                if deadline is not None:
+                    deadline += at_prompt  # time at a prompt is the user's, not the run's
+                continue
             self._run_display_hooks()
+
+    def _answer_prompt(self, answers: _Answers) -> float:
+        """Ask the user for the oldest rank's line, send it; returns the seconds at the prompt."""
+        request = self._prompts.next()
+        worker = next((w for w in self.workers if w.rank == request.rank), None)
+        if worker is None or not worker.alive:
+            return 0.0
+        # The rank flushed before asking: everything it printed is in its pipes, and goes first.
+        self._drain(worker, answers, ("stdout", "stderr"))
+        self.output.add_text(worker.rank, "stdout", request.shown_first)
+        self.output.tick(force=True)
+        told: list[RankFailure] = []
+
+        def pump_and_tell() -> None:
+            self._pump(PROMPT_PUMP_SLICE_S, answers)
+            if answers.failures and not told:  # the run will stop once the prompt is answered
+                told.append(failure := answers.failures[0])
+                self.output.add_text(worker.rank, "stderr", (
+                    f"accelnb: rank {failure.rank} failed ({failure.summary}) while this prompt "
+                    "waits; answer it, or press Stop, to end the run.\n"))
+
+        reply, seconds = ask_in_kernel(request, pump=pump_and_tell)
+        if reply.line is None and reply.eof_reason:
+            self.output.add_text(worker.rank, "stderr", f"accelnb: {reply.eof_reason}\n")
+            self.output.tick(force=True)
+        self._send_reply(worker, reply)
+        return seconds
+
+    def _send_reply(self, worker: _Worker, reply: InputReply) -> None:
+        if worker.inbox is None or not worker.alive or self._inbox_half_written:
+            return
+        with encode(reply) as frame, held_interrupts():  # a reply goes out whole, or not at all
+            try:
+                send_frame(worker.inbox, frame)
+            except OSError:
+                pass  # it died meanwhile; its exit report explains why
+
+    def _refuse_prompts(self, why: str) -> None:
+        """End of input for every rank still waiting: nobody will ask the user for it."""
+        for request in self._prompts.take_all():
+            worker = next((w for w in self.workers if w.rank == request.rank), None)
+            if worker is not None:
+                self._send_reply(worker, InputReply(request.request_id, None, why))
 
     def _conclude(self, outcome: CallOutcome, answers: _Answers) -> CallOutcome:
         """Stop what has to stop for ``outcome``; never ends with a worker that should be gone."""
@@ -379,6 +445,8 @@ class WorkerGroup:
             outcome.ending = "helper_died"
             outcome.helper_exit = self._helper_death
         outcome.workers_kept = self.usable
+        if outcome.workers_kept:
+            self._refuse_prompts("the cell ended before it could be asked")
         return outcome
 
     def _all_answer(self, answers: _Answers, wait: float) -> bool:
@@ -461,10 +529,11 @@ class WorkerGroup:
         if fd in self._selector.get_map():
             self._selector.unregister(fd)
 
-    def _drain(self, worker: _Worker, answers: _Answers) -> None:
-        """Everything a dead worker wrote is already in its pipes; read it all now."""
+    def _drain(self, worker: _Worker, answers: _Answers,
+               channels: tuple[str, ...] = ("stdout", "stderr", "events")) -> None:
+        """Read everything ``worker`` wrote so far (a dead worker: all it ever wrote)."""
         assert self._selector is not None
-        for name in ("stdout", "stderr", "events"):
+        for name in channels:
             fd = getattr(worker, f"{name}_fd")
             while fd in self._selector.get_map() and self._read(worker, name, fd, answers):
                 pass
@@ -482,6 +551,9 @@ class WorkerGroup:
             self._set_phase(worker, "failed", event.type_name)
         elif isinstance(event, MetricBatch) and self.metric_sink is not None:
             self.metric_sink(event)
+        elif isinstance(event, InputRequest):
+            self._prompts.add(event)
+            self.output.show_rank(worker.rank)  # what it prints between prompts must be seen
 
     def _on_exit(self, worker: _Worker, ended: WorkerExit, answers: _Answers) -> None:
         self._drain(worker, answers)

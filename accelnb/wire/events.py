@@ -1,8 +1,11 @@
 """The small vocabulary workers and the kernel speak, one dataclass per message.
 
-Kernel → worker (the worker's inbox socket): :class:`RunCall`, :class:`Shutdown`.
+Kernel → worker (the worker's inbox socket): :class:`RunCall`, :class:`Shutdown`,
+:class:`InputReply`.
 Worker → kernel (the worker's events socket): :class:`Joined`, :class:`CallResult`,
-:class:`CallError`, :class:`MetricBatch` (and its subclass :class:`ProgressBatch`).
+:class:`CallError`, :class:`MetricBatch` (and its subclass :class:`ProgressBatch`),
+:class:`InputRequest` (a rank's ``input()`` or debugger prompt, answered through the kernel's own
+``input()``: Jupyter's input box, or the terminal).
 Output does not travel as events: it is the worker's real stdout/stderr file descriptors.
 """
 
@@ -23,6 +26,9 @@ class RunCall:
     call_id: int
     payload: Packed  # ``wire/buffers.dump`` of (fn, args, kwargs)
     value_ranks: frozenset[int]
+    # Sources the rank cannot read from disk (notebook cells): filename → text, for its
+    # debugger's and tracebacks' lines (``kernel/cell_sources.py``).
+    sources: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -97,3 +103,32 @@ class ProgressBatch(MetricBatch):
 
     bars: list[ProgressState] = field(default_factory=list)
 
+
+
+@dataclass(frozen=True)
+class InputRequest:
+    """A rank waits for a line of input: ``input()``, ``sys.stdin.readline()``, or its debugger.
+
+    ``shown_first`` is what the rank's debugger printed since its last prompt (the current line,
+    ``p x``'s value): it travels with the request, so that it reaches the cell before the prompt
+    whatever the rank's output mode. The worker's own stdout was flushed before this was sent.
+    """
+
+    rank: int
+    request_id: int  # unique per rank; the reply carries it back
+    prompt: str
+    shown_first: str = ""
+
+
+@dataclass(frozen=True)
+class InputReply:
+    """The kernel's answer to an :class:`InputRequest`, sent on the rank's inbox.
+
+    ``line`` None means end of input: the rank's ``input()`` raises ``EOFError(eof_reason)``.
+    A reply whose ``request_id`` the rank no longer waits for (it was interrupted) is dropped, so
+    replies can never be taken for calls, nor for the answer to a later prompt.
+    """
+
+    request_id: int
+    line: str | None
+    eof_reason: str = ""

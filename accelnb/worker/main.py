@@ -20,9 +20,11 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
 
 from __future__ import annotations
 
+import bdb
 import ctypes
 import faulthandler
 import io
+import linecache
 import os
 import queue
 import select
@@ -40,10 +42,10 @@ from typing import Any
 import cloudpickle
 
 from accelnb.wire import buffers, channel
-from accelnb.wire.events import CallError, CallResult, Joined, RunCall, Shutdown
+from accelnb.wire.events import CallError, CallResult, InputReply, Joined, RunCall, Shutdown
 from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_kernel
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import report, restarts
+from accelnb.worker import rank_debugger, rank_input, report, restarts
 
 # accelnb/ with a trailing separator: frames under it are ours, whichever subpackage.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -126,6 +128,8 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)
     report.attach(events, spec.rank)
+    rank_input.attach(events, spec.rank, flush=_flush_streams_and_metrics)  # input() asks the notebook
+    rank_debugger.attach()  # breakpoint() opens a (Pdb) prompt there
     restarts.attach(spec.restart_count)
     _start_inbox_reader(inbox_fd, commands)
     flusher = _start_flusher()
@@ -160,11 +164,15 @@ def _compile_in_process() -> None:
 def _run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
     """Run one call; True when it returned normally and its value (if wanted) went back."""
     value = None
+    _register_sources(call.sources)
     try:
         # Big arguments are rebuilt over the shared pages the kernel wrote once for all ranks,
         # mapped copy-on-write: this rank may write into them without affecting anyone else.
         fn, args, kwargs = buffers.load(call.payload)
-        value = fn(*args, **kwargs)
+        try:
+            value = fn(*args, **kwargs)
+        finally:
+            rank_debugger.leave_debugger()
     except BaseException as error:
         if not (isinstance(error, SystemExit) and error.code in (0, None)):
             _flush_streams_and_metrics()
@@ -180,6 +188,14 @@ def _run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
     _flush_streams_and_metrics()
     events.send(CallResult(rank, call.call_id, data))
     return True
+
+
+def _register_sources(sources: tuple[tuple[str, str], ...]) -> None:
+    """Notebook cells' text, so that the debugger and tracebacks show the lines of notebook code."""
+    for filename, text in sources:
+        if filename not in linecache.cache:
+            lines = text.splitlines(keepends=True)
+            linecache.cache[filename] = (len(text), None, lines, filename)
 
 
 def _join_process_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist: Any) -> None:
@@ -222,6 +238,10 @@ def _wait_until_every_rank_joined(store: Any, world_size: int) -> None:
 
 
 def _describe_error(rank: int, call_id: int | None, error: BaseException) -> CallError:
+    if isinstance(error, bdb.BdbQuit):  # the user's own `q`: no traceback through pdb's frames
+        return CallError(rank=rank, call_id=call_id, type_name="bdb.BdbQuit",
+                         message=f"quit in the debugger on rank {rank}", traceback="",
+                         exception=None, timestamp=time.time())
     return CallError(
         rank=rank,
         call_id=call_id,
@@ -439,7 +459,10 @@ def _start_inbox_reader(inbox_fd: int, commands: queue.Queue[Any]) -> None:
                 # The kernel closes our inbox only after we exited, so end of file here means
                 # the kernel died: nobody will read our result. End our whole process group.
                 os.killpg(0, signal.SIGKILL)
-            commands.put(message)
+            if isinstance(message, InputReply):
+                rank_input.deliver(message)  # to the prompt waiting for it, never to the call loop
+            else:
+                commands.put(message)
 
     threading.Thread(target=read_forever, name="accelnb-inbox", daemon=True).start()
 
