@@ -3,7 +3,9 @@
 Kernel → worker (the worker's inbox socket): :class:`RunCall`, :class:`Shutdown`.
 Worker → kernel (the worker's events socket): :class:`Joined`, :class:`CallResult`,
 :class:`CallError`, :class:`MetricBatch` (and its subclass :class:`ProgressBatch`).
-Output does not travel as events: it is the worker's real stdout/stderr file descriptors.
+Output does not travel as events: it is the worker's real stdout/stderr file descriptors. A rank
+on another machine (a Ray actor, ``worker/ray_rank.py``) has no pipe to the kernel, so there its
+fds 1 and 2 are read by a thread of its own and sent as :class:`OutputChunk` events.
 """
 
 from __future__ import annotations
@@ -61,6 +63,15 @@ class CallError:
     traceback: str  # formatted, without accelnb's frames; "" when no user code is to blame
     exception: Packed | None  # ``result_pickling.dumps_exception_for_kernel``; None if it cannot travel
     timestamp: float
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """Bytes a rank wrote to its stdout or stderr (ranks without a pipe to the kernel)."""
+
+    rank: int
+    stream: str  # "stdout" or "stderr"
+    data: bytes
 
 
 @dataclass(frozen=True)
