@@ -25,3 +25,5 @@ soak: setup
 bench: setup
 	$(PY) -m pip install -q "accelerate>=1.0" "lightning>=2.4"  # benchmark-only peers; keeps the editable install
 	$(PY) benchmarks/run_all.py
+	$(PY) -m pip install -q "ray[train]>=2.40"  # benchmark-only peer of cluster="ray": Ray Train's TorchTrainer
+	$(PY) benchmarks/bench_ray.py  # needs root for network namespaces; says why when it skips

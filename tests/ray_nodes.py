@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parent.parent
 RAY = str(Path(sys.executable).with_name("ray"))
 INTERFACE = "accel0"  # the veth end's name inside each namespace
 NODE_READY_S = 90.0
+NODE_START_ATTEMPTS = 3
 
 
 def netns_unavailable() -> str | None:
@@ -109,14 +110,25 @@ class NamespaceCluster:
                      else [f"--address={self.head_address}"])
             temp_dir = self.workdir / f"ray{index}"
             temp_dir.mkdir(parents=True, exist_ok=True)
+            # No log monitor: accelnb forwards each rank's output itself.
             command = [RAY, "start", "--block", *where, f"--num-cpus={cpus}", "--num-gpus=0",
                        f"--node-ip-address={self.addresses[index]}", f"--temp-dir={temp_dir}",
-                       "--disable-usage-stats", "--object-store-memory=100000000"]
-            log = open(self.workdir / f"ray{index}.log", "wb")  # noqa: SIM115  (the node writes it until stopped)
-            self.nodes.append(subprocess.Popen(self.exec_in(index, command), stdout=log, stderr=subprocess.STDOUT,
-                                               env=self.env(), cwd=self.workdir))
-            log.close()
-            self._wait_started(index)
+                       "--disable-usage-stats", "--object-store-memory=100000000", "--include-log-monitor=false"]
+            for attempt in range(NODE_START_ATTEMPTS):
+                log = open(self.workdir / f"ray{index}.log", "wb")  # noqa: SIM115  (the node writes it until stopped)
+                self.nodes.append(subprocess.Popen(self.exec_in(index, command), stdout=log,
+                                                   stderr=subprocess.STDOUT, env=self.env(), cwd=self.workdir))
+                log.close()
+                try:
+                    self._wait_started(index)
+                    break
+                except RuntimeError:
+                    # Ray gives a raylet 30 s to register, hard-coded; a loaded 2-core machine can
+                    # miss that. Clear the namespace and start this node again.
+                    if attempt == NODE_START_ATTEMPTS - 1:
+                        raise
+                    self._kill_inside([self.names[index]])
+                    self.nodes.pop().wait(timeout=10)
 
     def _wait_started(self, index: int) -> None:
         log = self.workdir / f"ray{index}.log"
@@ -127,29 +139,32 @@ class NamespaceCluster:
             time.sleep(0.1)  # polling a log file another process writes; nothing to wait on
 
     # ── the end ─────────────────────────────────────────────────────────────────────────────
-    def pids_inside(self) -> list[int]:
+    def pids_inside(self, names: list[str] | None = None) -> list[int]:
         pids: list[int] = []
-        for name in self.names:
+        for name in names or self.names:
             listed = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True)
             pids += [int(p) for p in listed.stdout.split()]
         return pids
 
     def stop(self) -> None:
         """Kill every process in the namespaces by pid, then delete them."""
-        for _ in range(50):
-            pids = self.pids_inside()
+        self._kill_inside(self.names)
+        for node in self.nodes:
+            node.wait(timeout=10)
+        for name in self.names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+    def _kill_inside(self, names: list[str]) -> None:
+        for _ in range(100):
+            pids = self.pids_inside(names)
             if not pids:
-                break
+                return
             for pid in pids:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-            time.sleep(0.05)
-        for node in self.nodes:
-            node.wait(timeout=10)
-        for name in self.names:
-            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+            time.sleep(0.05)  # SIGKILLed processes leave when the kernel has reaped them
 
     def __enter__(self) -> NamespaceCluster:
         return self

@@ -100,6 +100,7 @@ class RankActor:
         self._set_up_failed = False
         self._rank = -1
         self._call_thread: int | None = None
+        self._set_up_thread: int | None = None
 
     def facts(self) -> ActorFacts:
         import ray
@@ -123,6 +124,7 @@ class RankActor:
         """Take the rank's environment, capture its output, join the process group. A failure is
         reported as the local worker reports it: a :class:`CallError` with no call."""
         self._rank = spec.rank
+        self._set_up_thread = threading.get_ident()
         try:
             self._set_up(spec)
             self._events.send(Joined(spec.rank))
@@ -134,6 +136,7 @@ class RankActor:
             if self._store_socket is not None:
                 self._store_socket.close()  # the TCPStore holds its own copy of the fd
                 self._store_socket = None
+            self._set_up_thread = None
             self._ready.set()
 
     def _set_up(self, spec: WorkerSpec) -> None:
@@ -220,11 +223,16 @@ class RankActor:
         return True
 
     def stacks(self) -> str:
-        """The running call's stack, innermost last (empty between calls), as text."""
-        thread = self._call_thread
+        """The running call's stack, innermost last, as text; during set-up the set-up's (where
+        a rank that never joins the process group waits); empty between calls."""
+        thread, what = self._call_thread, "call"
+        if thread is None:
+            thread, what = self._set_up_thread, "set-up (joining the process group)"
         frame = sys._current_frames().get(thread) if thread is not None else None
         if frame is None:
             return ""
+        if what != "call":
+            return f"Still in accelnb's {what}:\n" + "".join(traceback.format_stack(frame)[-3:])
         frames = [f for f in traceback.extract_stack(frame) if not f.filename.startswith(_MACHINERY[0])
                   and not any(part in f.filename for part in _MACHINERY[1:])]
         return "Stack of the call (most recent call last):\n" + "".join(traceback.format_list(frames))
