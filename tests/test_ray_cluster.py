@@ -170,17 +170,20 @@ def where():
     print(f"rank {dist.get_rank()} says hello", flush=True)
     total = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(total)
+    accelnb.report(step=1, total=total.item())
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "GLOO_SOCKET_IFNAME")
     return {**{k: os.environ[k] for k in keys}, "sum": total.item()}
 
 result = launch(where, num_processes=2, cluster="ray")
 for rank, value in sorted(result.values.items()):
     print("value", rank, sorted(value.items()))
+print("metrics", result.metrics.series("total", rank=0), result.metrics.series("total", rank=1))
 """)
     out = cell.stdout
     assert re.search(r"2 rank\(s\) on 2 Ray node\(s\), backend gloo", out), out
     assert "node 10.77.0.1 (accel0)" in out and "node 10.77.0.2 (accel0)" in out, out
     assert "rank 0 says hello" in out and "rank 1 says hello" not in out, out  # rank 0 only, in this cell
+    assert "metrics [(1, 3.0)] [(1, 3.0)]" in out, out  # report() from both nodes
     values = dict(re.findall(r"value (\d) (.*)", out))
     assert set(values) == {"0", "1"}, out
     for rank in ("0", "1"):
@@ -266,12 +269,11 @@ launch(killed_on_rank_1, num_processes=2, cluster="ray")
 def test_a_session_keeps_its_actors_and_their_variables_between_runs(notebook: Notebook) -> None:
     cell = notebook.checked("""
 session = Session.start(cluster="ray", num_processes=2)
-def remember():
-    global counter
-    counter = int(os.environ["RANK"]) * 10
+def remember():   # process state that only the same actor process can give back
+    os.environ["KEPT_BY_THE_RANK"] = str(int(os.environ["RANK"]) * 10)
     return os.getpid()
 def recall():
-    return os.getpid(), counter
+    return os.getpid(), int(os.environ["KEPT_BY_THE_RANK"])
 first = session.run(remember).values
 again = session.run(recall).values
 print("same pids", all(again[r][0] == first[r] for r in first), "values", {r: v[1] for r, v in again.items()})
