@@ -285,6 +285,24 @@ session.stop()
     notebook.assert_nothing_left(table_pids(cell.stdout))
 
 
+def test_an_interrupt_in_a_session_stops_the_call_and_keeps_the_actors(notebook: Notebook) -> None:
+    started = notebook.checked("kept = Session.start(cluster='ray', num_processes=2)\n"
+                               "pids = kept.run(os.getpid).values")
+    cell = notebook.run("""
+def spin():
+    print("started", flush=True)
+    while True:
+        time.sleep(0.05)
+
+kept.run(spin)
+""", interrupt_after="started")
+    assert "KeyboardInterrupt" in cell.error_text, cell.error_text + cell.stdout
+    assert "the session and its variables are kept" in cell.error_text, cell.error_text
+    after = notebook.checked("print('same', kept.run(os.getpid).values == pids, kept.alive)\nkept.stop()")
+    assert "same True True" in after.stdout, after.stdout
+    notebook.assert_nothing_left(table_pids(started.stdout))
+
+
 def test_distributed_magic_runs_a_cell_on_the_cluster(notebook: Notebook) -> None:
     notebook.checked("%load_ext accelnb")
     cell = notebook.checked("""%%distributed --cluster ray --procs 2

@@ -44,7 +44,7 @@ from accelnb.wire.spec import WorkerSpec
 POLL_WAIT_S = 0.2  # how long an actor holds an events poll open when it has nothing to send
 WAIT_SLICE_S = 0.05
 ANSWER_WAIT_S = 1.0  # sessions: how long the other ranks get to answer after a failure
-INTERRUPT_GRACE_S = 1.5
+INTERRUPT_GRACE_S = 5.0  # sessions: how long the ranks get to stop the call (two Ray round trips under load)
 LAST_WORDS_S = 0.2  # before killing: what the ranks printed last still reaches the cell
 KILL_WAIT_S = 10.0  # after ray.kill: how long until every actor is known dead
 STACKS_WAIT_S = 2.0

@@ -101,6 +101,7 @@ class RankActor:
         self._rank = -1
         self._call_thread: int | None = None
         self._set_up_thread: int | None = None
+        self._interrupting = threading.Lock()  # an interrupt is sent only while its call runs
 
     def facts(self) -> ActorFacts:
         import ray
@@ -198,7 +199,19 @@ class RankActor:
         try:
             _run_call(self._rank, RunCall(call_id, payload, value_ranks), self._events)
         finally:
-            self._call_thread = None
+            self._end_call()
+
+    def _end_call(self) -> None:
+        """No interrupt may outlive its call: one sent as the call ended is dropped here, not
+        raised later in Ray's own code on this thread."""
+        while True:
+            try:
+                with self._interrupting:
+                    self._call_thread = None
+                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
+                return
+            except KeyboardInterrupt:  # it landed just before it could be dropped: it stopped nothing
+                continue
 
     def events(self, wait: float) -> list[Any]:
         """What happened since the last poll; waits up to ``wait`` s for the first event."""
@@ -216,11 +229,12 @@ class RankActor:
     def interrupt(self) -> bool:
         """Raise KeyboardInterrupt in the running call (at its next Python bytecode: a rank
         blocked in a collective does not notice). False when no call runs."""
-        thread = self._call_thread
-        if thread is None:
-            return False
-        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(KeyboardInterrupt))
-        return True
+        with self._interrupting:
+            thread = self._call_thread
+            if thread is None:
+                return False
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(KeyboardInterrupt))
+            return True
 
     def stacks(self) -> str:
         """The running call's stack, innermost last, as text; during set-up the set-up's (where
