@@ -198,6 +198,17 @@ print("metrics", result.metrics.series("total", rank=0), result.metrics.series("
     notebook.assert_nothing_left(table_pids(out))
 
 
+def test_nodes_spreads_the_ranks_over_that_many_nodes(notebook: Notebook) -> None:
+    cell = notebook.checked("""
+spread = launch(lambda: (os.environ["NODE_RANK"], ray.util.get_node_ip_address()), cluster="ray", nodes=2,
+                num_processes=2).values
+print("spread", sorted(spread.values()))
+""")
+    assert "spread [('0', '10.77.0." in cell.stdout and "('1', '10.77.0." in cell.stdout, cell.stdout
+    assert len(set(re.findall(r"'(10\.77\.0\.\d)'", cell.stdout))) == 2, cell.stdout
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
 def test_a_failure_on_the_second_node_shows_its_traceback_and_ends_every_actor(notebook: Notebook) -> None:
     cell = notebook.run("""
 def fail_on_node_2():
