@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+from accelnb.cluster import ClusterRequest, cluster_backend
 from accelnb.errors import LaunchConfigError
 from accelnb.kernel import planning
 from accelnb.kernel.accelerate_config import AccelerateConfig, merge_placement, read_accelerate_config
@@ -38,6 +39,7 @@ from accelnb.kernel.inventory import read_inventory
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.payload import pack_call
 from accelnb.kernel.preflight import preflight
+from accelnb.kernel.rank_group import RankGroup
 from accelnb.kernel.runs import AttemptSink, MetricRoute, MetricsView, last_result, start_workers
 from accelnb.kernel.selection import current_selection
 from accelnb.kernel.supervisor import WorkerGroup
@@ -55,8 +57,8 @@ from accelnb.options import (
 if TYPE_CHECKING:
     from typing import Unpack
 
-__all__ = ["last_result", "launch", "launch_with", "metric_route", "notebook_launcher", "plan", "plan_launch",
-           "start_group"]
+__all__ = ["check_launch", "group_starter", "last_result", "launch", "launch_with", "metric_route",
+           "notebook_launcher", "plan", "plan_launch", "start_group"]
 
 # notebook_launcher returns rank 0's value, so by default it leaves the others' on the ranks.
 _RANK0_VALUE = LaunchOptions(collect="rank0")
@@ -123,7 +125,7 @@ def launch(
 def launch_with(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None,
                 options: LaunchOptions, *, metric_sink: Callable[[Any], None] | None = None) -> LaunchResult:
     """:func:`launch` for callers that already hold a :class:`LaunchOptions` (the magic)."""
-    the_plan = plan_launch(options)
+    start = group_starter(options, persistent=False)
     payload = pack_call(function, args, kwargs or {})
     sinks: list[AttemptSink] = []
     if metric_sink is not None:
@@ -131,8 +133,7 @@ def launch_with(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
     with metric_route(options, sinks) as route:  # a log_dir= that cannot be written fails here, before start
         try:
             return run_attempts(
-                lambda restart_count: start_group(the_plan, options, persistent=False, restart_count=restart_count),
-                payload, collect=options.collect, output=options.output, timeout=options.timeout,
+                start, payload, collect=options.collect, output=options.output, timeout=options.timeout,
                 metrics=route, max_restarts=options.max_restarts, restart_delay=options.restart_delay)
         except KeyboardInterrupt as interrupt:
             # The stop button: the engine's frames would fill the cell and explain nothing. The
@@ -165,7 +166,11 @@ def plan(**options: Unpack[StartKeywords]) -> planning.LaunchPlan:
     Raises:
         LaunchConfigError: the options, or the selection against the GPUs, are wrong.
     """
-    return plan_launch(LaunchOptions().with_keywords(options, accepted=START_OPTIONS, caller="plan()"))
+    chosen = LaunchOptions().with_keywords(options, accepted=START_OPTIONS, caller="plan()")
+    if chosen.cluster != "local":
+        raise LaunchConfigError("plan() shows the ranks of this machine. On a cluster the ranks are planned once "
+                                "Ray has placed them: the table a launch prints at its start shows them.")
+    return plan_launch(chosen)
 
 
 def plan_launch(options: LaunchOptions) -> planning.LaunchPlan:
@@ -199,6 +204,26 @@ def _overridden(config: AccelerateConfig, given: LaunchOptions) -> tuple[str, ..
     return tuple(name for name, in_file in pairs if in_file is not None and getattr(given, name) not in (None, in_file))
 
 
+def group_starter(options: LaunchOptions, *, persistent: bool) -> Callable[[int], RankGroup]:
+    """What starts the ranks of ``options`` (given a restart count), once everything that can be
+    checked before anything starts has been: this machine's plan, or the cluster backend's
+    checks (Ray installed, a cluster reachable and big enough)."""
+    if options.cluster != "local":
+        backend = cluster_backend(options.cluster)
+        request = ClusterRequest(num_processes=options.num_processes, nodes=options.nodes,
+                                 gpus_per_node=options.gpus_per_node, cpu=options.cpu, backend=options.backend,
+                                 mixed_precision=options.mixed_precision, quiet=options.quiet)
+        backend.check(request)
+        return lambda restart_count: backend.start(request, persistent=persistent, restart_count=restart_count)
+    the_plan = plan_launch(options)
+    return lambda restart_count: start_group(the_plan, options, persistent=persistent, restart_count=restart_count)
+
+
+def check_launch(options: LaunchOptions) -> None:
+    """Raise what a launch with ``options`` would raise before starting anything."""
+    group_starter(options, persistent=False)
+
+
 def start_group(the_plan: planning.LaunchPlan, options: LaunchOptions, *, persistent: bool,
                 restart_count: int = 0) -> WorkerGroup:
     """Fork the workers of ``the_plan``; a bad ``OMP_NUM_THREADS`` or a failed pre-launch check
@@ -213,7 +238,8 @@ def start_group(the_plan: planning.LaunchPlan, options: LaunchOptions, *, persis
 def with_picker_default(options: LaunchOptions) -> LaunchOptions:
     """``options`` with the GPU picker's selection filled in where they choose no devices (an
     Accelerate config file chooses them: its placement, or the planner's default, wins)."""
-    if options.gpus is not None or options.num_processes is not None or options.cpu or options.config_file:
+    if (options.gpus is not None or options.num_processes is not None or options.cpu or options.config_file
+            or options.cluster != "local"):
         return options
     chosen = current_selection()
     if chosen is None:

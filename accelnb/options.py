@@ -60,11 +60,13 @@ from accelnb.kernel.runs import OutputMode
 
 Scope = Literal["start", "call", "launch", "session"]
 CollectMode = Literal["rank0", "all"]
+ClusterKind = Literal["local", "ray"]
 
 KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
 MIXED_PRECISION_MODES = ("no", "fp16", "bf16", "fp8")
 OUTPUT_MODES: tuple[str, ...] = get_args(OutputMode)
 COLLECT_MODES: tuple[str, ...] = get_args(CollectMode)
+CLUSTER_KINDS: tuple[str, ...] = get_args(ClusterKind)
 
 _INFO = "accelnb.option"
 
@@ -201,6 +203,19 @@ class LaunchOptions:
     inventory: Inventory | None = field(default=None, repr=False, metadata=option(
         "the GPUs to plan on; default read from NVML (tests and demos pass synthetic_inventory(8)).",
         "start", check=_inventory))
+    cluster: ClusterKind = field(default="local", metadata=option(
+        '"local" runs the ranks on this machine; "ray" runs one Ray actor per rank across the nodes '
+        "of the Ray cluster this kernel is connected to (ray.init(address=...), or RAY_ADDRESS), "
+        "ranks packed per node. Needs pip install 'accelnb[ray]'.",
+        "start", flag="--cluster", choices=CLUSTER_KINDS,
+        fix='"ray" for a Ray cluster, or leave it unset for this machine'))
+    nodes: int | None = field(default=None, metadata=option(
+        'cluster="ray": spread the ranks over exactly N nodes, the same number on each.',
+        "start", flag="--nodes", parse=int, metavar="N", check=_whole_number_at_least_one))
+    gpus_per_node: int | None = field(default=None, metadata=option(
+        'cluster="ray": GPU ranks per node (one GPU each, from Ray\'s assignment); with nodes=N, '
+        "N × this many ranks.",
+        "start", flag="--gpus-per-node", parse=int, metavar="N", check=_whole_number_at_least_one))
 
     # ── call: each run ─────────────────────────────────────────────────────────────────────
     timeout: float | None = field(default=None, metadata=option(
@@ -241,8 +256,16 @@ class LaunchOptions:
             _check_value(each, info, getattr(self, each.name))
         if self.cpu and self.gpus is not None:
             raise LaunchConfigError("cpu=True runs CPU ranks; do not also pass gpus=.")
-        if self.cpu and self.num_processes is None:
+        if self.cpu and self.num_processes is None and self.cluster == "local":
             raise LaunchConfigError("cpu=True needs num_processes=N (how many CPU ranks to run).")
+        if self.cluster == "local" and (self.nodes is not None or self.gpus_per_node is not None):
+            given = "nodes=" if self.nodes is not None else "gpus_per_node="
+            raise LaunchConfigError(f"{given} places ranks on the nodes of a cluster; pass cluster=\"ray\" "
+                                    "too, or leave it out to run on this machine.")
+        if self.cluster != "local":
+            for name, why in _NOT_ON_A_CLUSTER.items():
+                if getattr(self, name) != _DEFAULTS[name]:
+                    raise LaunchConfigError(f"cluster={self.cluster!r} does not take {name}=: {why}.")
 
     def with_keywords(self, keywords: Mapping[str, Any], *, accepted: Collection[str],
                       caller: str) -> LaunchOptions:
@@ -261,6 +284,17 @@ def described_fields() -> Iterator[tuple[Field[Any], OptionInfo]]:
 
 def names_in_scope(scope: Scope) -> frozenset[str]:
     return frozenset(each.name for each, info in described_fields() if info.scope == scope)
+
+
+_DEFAULTS = {each.name: each.default for each in fields(LaunchOptions)}
+# What describes this machine only, and so cannot apply to ranks placed on a cluster's nodes.
+_NOT_ON_A_CLUSTER = {
+    "gpus": "it names GPUs of this machine; on a cluster Ray assigns them (use gpus_per_node=)",
+    "gpus_per_rank": "a cluster rank owns one GPU of Ray's assignment",
+    "config_file": "pass its settings (mixed_precision=, num_processes=) as keywords instead",
+    "master_port": "the rendezvous port is chosen free on rank 0's node",
+    "inventory": "the cluster's GPUs are Ray's to assign",
+}
 
 
 def _check_value(each: Field[Any], info: OptionInfo, value: Any) -> None:
@@ -314,6 +348,9 @@ class _StartKeywordsExceptNumProcesses(TypedDict, total=False):
     mixed_precision: str | None
     quiet: bool
     inventory: Inventory | None
+    cluster: ClusterKind
+    nodes: int | None
+    gpus_per_node: int | None
 
 
 class StartKeywords(_StartKeywordsExceptNumProcesses, total=False):

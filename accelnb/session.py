@@ -37,9 +37,10 @@ from accelnb.kernel.inventory import Inventory, read_inventory
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.live_stacks import DEFAULT_WAIT_S, StackDump
 from accelnb.kernel.payload import pack_call
+from accelnb.kernel.rank_group import RankGroup
 from accelnb.kernel.runs import run_on_group
 from accelnb.kernel.supervisor import WorkerGroup
-from accelnb.launcher import metric_route, plan_launch, start_group, with_picker_default
+from accelnb.launcher import group_starter, metric_route, with_picker_default
 from accelnb.options import (
     SESSION_CALL_OPTIONS,
     START_OPTIONS,
@@ -56,7 +57,7 @@ if TYPE_CHECKING:
 class Session:
     """Workers kept alive between calls. Create with :meth:`Session.start`."""
 
-    def __init__(self, group: WorkerGroup, options: LaunchOptions) -> None:
+    def __init__(self, group: RankGroup, options: LaunchOptions) -> None:
         self._group = group
         self.options = options  # what the session was started with, the picker's choice resolved
         # A session the user drops (reassigned, deleted, kernel shutting down) must not leave its
@@ -82,7 +83,7 @@ class Session:
         """:meth:`start` from a :class:`LaunchOptions` (the magic's restart reuses one). Its call
         options, if set, are the defaults of every :meth:`run`."""
         resolved = with_picker_default(options)
-        group = start_group(plan_launch(resolved), resolved, persistent=True)
+        group = group_starter(resolved, persistent=True)(0)
         try:
             return cls(group, resolved)
         except BaseException:  # an interrupt before the finalizer holds the group
@@ -161,6 +162,8 @@ class Session:
     def status(self, inventory: Inventory | None = None) -> str:
         """Ranks, devices, pids and memory (host, and GPU where a rank has one), as
         ``%distributed status`` shows them. GPU memory comes from NVML, as nvidia-smi's."""
+        if not isinstance(self._group, WorkerGroup):  # ranks on other machines: the group describes them
+            return str(self._group.status())  # type: ignore[attr-defined]
         gpus_now = None if self.plan.simulated_gpus or all(r.gpu is None for r in self.plan.ranks) \
             else (inventory or read_inventory())
         lines = [f"accelnb session: {len(self.plan.ranks)} rank(s), backend {self.plan.backend}, "

@@ -4,6 +4,8 @@
 - ``accelnb.worker``: runs in the helper and the ranks; imports only ``wire``, ``errors`` and itself;
 - ``accelnb.kernel``: runs in the notebook's kernel; never imports ``worker``, ``notebook`` or the
   top-level API modules above it;
+- ``accelnb.cluster``: cluster backends, run in the kernel; import ``kernel``, ``wire`` and, of the worker
+  side, only the module that is a cluster rank's body (its actors run it);
 - ``accelnb.notebook``: the UI adapters; may import anything below it.
 
 Every ``import`` is read from the source, function-level ones included (a lazy import is still a
@@ -23,6 +25,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "accelnb.wire": ("accelnb.wire", "accelnb.errors"),
     "accelnb.worker": ("accelnb.worker", "accelnb.wire", "accelnb.errors"),
     "accelnb.kernel": ("accelnb.kernel", "accelnb.wire", "accelnb.errors"),
+    "accelnb.cluster": ("accelnb.cluster", "accelnb.kernel", "accelnb.wire", "accelnb.worker.ray_rank",
+                        "accelnb.errors"),
     "accelnb.errors": (),
 }
 
@@ -80,7 +84,7 @@ def test_every_module_lives_in_a_folder_that_says_where_it_runs() -> None:
     top_level = sorted(p.stem for p in PACKAGE.glob("*.py"))
     assert top_level == ["__init__", "demo", "errors", "launcher", "options", "session"], top_level
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
-    assert folders == ["kernel", "notebook", "wire", "worker"]
+    assert folders == ["cluster", "kernel", "notebook", "wire", "worker"]
 
 
 @pytest.mark.parametrize(("module", "source"), [

@@ -39,11 +39,11 @@ from accelnb.errors import LaunchFailed, LaunchTimeout, RunInterrupted
 from accelnb.kernel import runs
 from accelnb.kernel.launch_result import Attempt, LaunchResult
 from accelnb.kernel.output import notebook_sink
+from accelnb.kernel.rank_group import RankGroup
 from accelnb.kernel.runs import MetricRoute, OutputMode, run_on_group
-from accelnb.kernel.supervisor import WorkerGroup
 from accelnb.wire.buffers import Packed
 
-GroupStarter = Callable[[int], WorkerGroup]  # restart_count -> a started group
+GroupStarter = Callable[[int], RankGroup]  # restart_count -> a started group
 Notice = Callable[[str], None]
 
 
@@ -64,7 +64,7 @@ def run_attempts(start: GroupStarter, payload: Packed, *, collect: Literal["rank
         metrics.attempt = index
         started = time.time()
         before = runs.last_result()
-        group: WorkerGroup | None = None
+        group: RankGroup | None = None
         result: LaunchResult | None = None
         try:  # from before the group exists: an interrupt right after start returns is covered
             group = start(index)

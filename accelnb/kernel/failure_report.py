@@ -59,6 +59,12 @@ def exception_failure(rank: int, pid: int, event: CallError, output_tail: str) -
                        timestamp=event.timestamp, in_setup=event.call_id is None)
 
 
+def actor_lost_failure(rank: int, pid: int, node: str, reason: str, output_tail: str) -> RankFailure:
+    """A rank's cluster actor died (killed, out of memory, its node lost) without reporting."""
+    return RankFailure(rank, pid, "exit", f"its Ray actor on node {node} (pid {pid}) died: {reason}",
+                       output_tail=output_tail)
+
+
 def exit_failure(rank: int, pid: int, exit_code: int, output_tail: str, timestamp: float, *,
                  joined: bool = True) -> RankFailure:
     """A rank that ended without reporting: by a signal (negative code) or a bare exit.

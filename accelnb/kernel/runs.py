@@ -27,6 +27,7 @@ from accelnb.kernel.launch_result import Attempt, LaunchResult
 from accelnb.kernel.metrics_history import MetricHistory
 from accelnb.kernel.output import OutputRouter, notebook_sink
 from accelnb.kernel.ports import bind_rendezvous_socket
+from accelnb.kernel.rank_group import RankGroup
 from accelnb.kernel.supervisor import WorkerGroup
 from accelnb.kernel.worker_specs import describe_start, worker_specs
 from accelnb.wire.buffers import Packed
@@ -105,7 +106,7 @@ def start_workers(the_plan: planning.LaunchPlan, master_port: int | None, *, per
         raise
 
 
-def run_on_group(group: WorkerGroup, payload: Packed, *, collect: Literal["rank0", "all"],
+def run_on_group(group: RankGroup, payload: Packed, *, collect: Literal["rank0", "all"],
                  timeout: float | None, output: OutputMode, metrics: MetricRoute | None = None,
                  time_left: float | None = None, chosen_ranks: Sequence[int] | None = None) -> LaunchResult:
     """Run one packed call on every worker of ``group`` (or on ``chosen_ranks`` only, a session's

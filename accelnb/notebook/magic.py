@@ -43,7 +43,7 @@ from accelnb.kernel.byte_sizes import describe_limit, human_bytes, parse_byte_si
 from accelnb.kernel.doctor import doctor
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.payload import check_picklable
-from accelnb.launcher import launch_with, plan_launch
+from accelnb.launcher import check_launch, launch_with
 from accelnb.options import (
     ALL_OPTIONS,
     RESTART_OPTIONS,
@@ -283,7 +283,7 @@ class DistributedMagics(Magics):
         with _as_usage_error():
             options = _start_options(given) if given else self._session_options
             assert options is not None
-            plan_launch(options)  # bad options leave the running session alone
+            check_launch(options)  # bad options leave the running session alone
         self._stop()
         with _as_usage_error():
             self._begin(Session.start_with(options))

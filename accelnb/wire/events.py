@@ -6,7 +6,9 @@ Worker → kernel (the worker's events socket): :class:`Joined`, :class:`CallRes
 :class:`CallError`, :class:`MetricBatch` (and its subclass :class:`ProgressBatch`),
 :class:`InputRequest` (a rank's ``input()`` or debugger prompt, answered through the kernel's own
 ``input()``: Jupyter's input box, or the terminal).
-Output does not travel as events: it is the worker's real stdout/stderr file descriptors.
+Output does not travel as events: it is the worker's real stdout/stderr file descriptors. A rank
+on another machine (a Ray actor, ``worker/ray_rank.py``) has no pipe to the kernel, so there its
+fds 1 and 2 are read by a thread of its own and sent as :class:`OutputChunk` events.
 """
 
 from __future__ import annotations
@@ -67,6 +69,15 @@ class CallError:
     traceback: str  # formatted, without accelnb's frames; "" when no user code is to blame
     exception: Packed | None  # ``result_pickling.dumps_exception_for_kernel``; None if it cannot travel
     timestamp: float
+
+
+@dataclass(frozen=True)
+class OutputChunk:
+    """Bytes a rank wrote to its stdout or stderr (ranks without a pipe to the kernel)."""
+
+    rank: int
+    stream: str  # "stdout" or "stderr"
+    data: bytes
 
 
 @dataclass(frozen=True)

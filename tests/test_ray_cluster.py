@@ -1,0 +1,368 @@
+"""``cluster="ray"`` on a real two-node Ray cluster: two network namespaces joined by a veth pair.
+
+Everything that talks to Ray runs inside a namespace made by ``tests/ray_nodes.py`` (Ray replaces
+127.0.0.1 with the machine's own address): the two nodes, and the "notebook", a real Jupyter
+kernel started inside the head's namespace. The kernel speaks to this test over Unix sockets
+(jupyter_client's ``ipc`` transport), which reach across network namespaces. One cluster and one
+kernel serve the whole module; each test is one or two cells.
+
+After every launch the test asserts from the kernel that nothing is left: no live actor in Ray's
+actor table, every resource free again (the placement group removed), and the rank processes,
+found by the pids the start table printed, gone.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from jupyter_client import KernelManager
+
+from tests.ray_nodes import REPO, NamespaceCluster, netns_unavailable, ray_unavailable
+
+_why_not = netns_unavailable() or ray_unavailable()
+pytestmark = pytest.mark.skipif(_why_not is not None, reason=f"Ray cluster tests need network namespaces and Ray: "
+                                                            f"{_why_not}")
+
+CELL_TIMEOUT_S = 240.0
+
+SETUP = """
+import os, time, ray
+ray.init(address=os.environ["ACCELNB_TEST_RAY_ADDRESS"])
+import accelnb
+from accelnb import Session, launch, notebook_launcher
+assert accelnb.__file__.startswith(os.environ["ACCELNB_TEST_REPO"]), accelnb.__file__
+
+def leftovers(within=20.0):
+    # What a launch left: live actors, and resources not free again (the placement group's).
+    deadline = time.monotonic() + within
+    while True:
+        alive = [a for a in ray._private.state.actors().values() if a["State"] != "DEAD"]
+        total, free = ray.cluster_resources(), ray.available_resources()
+        held = {k: total[k] - free.get(k, 0) for k in total if k in ("CPU", "GPU") and free.get(k, 0) != total[k]}
+        held.update({k: v for k, v in free.items() if k.startswith("bundle_group")})
+        if (not alive and not held) or time.monotonic() > deadline:
+            return f"alive actors: {len(alive)}, held: {held}"
+        time.sleep(0.1)
+print("ready", ray.cluster_resources().get("CPU"))
+"""
+
+
+@dataclass
+class CellRun:
+    stdout: str = ""
+    stderr: str = ""
+    error: dict[str, Any] | None = None
+    results: list[str] = field(default_factory=list)
+
+    @property
+    def error_text(self) -> str:
+        if self.error is None:
+            return ""
+        return "\n".join(re.sub(r"\x1b\[[0-9;]*m", "", line) for line in self.error["traceback"]) + \
+            f"\n{self.error['ename']}: {self.error['evalue']}"
+
+
+class NamespacedKernel(KernelManager):
+    """A kernel started inside a network namespace (``ip netns exec``)."""
+
+    namespace = ""
+
+    def format_kernel_cmd(self, extra_arguments: list[str] | None = None) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace, *super().format_kernel_cmd(extra_arguments)]
+
+
+class Notebook:
+    def __init__(self, manager: NamespacedKernel) -> None:
+        self.manager = manager
+        self.client = manager.client()
+        self.client.start_channels()
+        self.client.wait_for_ready(timeout=120)
+
+    def run(self, code: str, *, interrupt_after: str | None = None) -> CellRun:
+        """Run one cell; with ``interrupt_after``, press the stop button once stdout shows that text."""
+        msg_id = self.client.execute(code)
+        cell = CellRun()
+        deadline = time.monotonic() + CELL_TIMEOUT_S
+        interrupted = False
+        while True:
+            message = self.client.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = message["msg_type"], message["content"]
+            if kind == "stream":
+                setattr(cell, content["name"], getattr(cell, content["name"]) + content["text"])
+            elif kind == "error":
+                cell.error = content
+            elif kind == "execute_result":
+                cell.results.append(content["data"].get("text/plain", ""))
+            elif kind == "status" and content["execution_state"] == "idle":
+                return cell
+            if interrupt_after and not interrupted and interrupt_after in cell.stdout:
+                interrupted = True
+                self.manager.interrupt_kernel()
+
+    def checked(self, code: str) -> CellRun:
+        cell = self.run(code)
+        assert cell.error is None, cell.error_text + "\n" + cell.stdout + cell.stderr
+        return cell
+
+    def assert_nothing_left(self, pids: list[int]) -> None:
+        cell = self.checked("print(leftovers())")
+        assert "alive actors: 0, held: {}" in cell.stdout, cell.stdout
+        deadline = time.monotonic() + 10
+        while any(_runs(pid) for pid in pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [pid for pid in pids if _runs(pid)], "rank processes still run"
+
+
+def _runs(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def table_pids(text: str) -> list[int]:
+    pids = [int(p) for p in re.findall(r"\(pid (\d+)\)", text)]
+    assert pids, f"no start table in:\n{text}"
+    return pids
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NamespaceCluster]:
+    with NamespaceCluster.two_nodes(tmp_path_factory.mktemp("ray")) as nodes:
+        nodes.start_ray(cpus=1)
+        yield nodes
+
+
+@pytest.fixture(scope="module")
+def notebook(cluster: NamespaceCluster) -> Iterator[Notebook]:
+    manager = NamespacedKernel(transport="ipc", ip=str(cluster.workdir / "kernel"))
+    manager.namespace = cluster.names[0]
+    env = {**cluster.env(), "ACCELNB_TEST_RAY_ADDRESS": cluster.head_address, "ACCELNB_TEST_REPO": str(REPO)}
+    manager.start_kernel(env=env, cwd=str(REPO))
+    try:
+        book = Notebook(manager)
+        try:
+            assert "ready 2.0" in book.checked(SETUP).stdout
+            yield book
+        finally:
+            book.client.stop_channels()
+    finally:
+        manager.shutdown_kernel(now=True)
+
+
+# ── on the cluster ──────────────────────────────────────────────────────────────────────────────
+def test_a_result_comes_back_from_both_nodes_and_rank_0_prints_in_its_cell(notebook: Notebook) -> None:
+    cell = notebook.checked("""
+def where():
+    import socket, torch, torch.distributed as dist
+    print(f"rank {dist.get_rank()} says hello", flush=True)
+    total = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(total)
+    accelnb.report(step=1, total=total.item())
+    keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "GLOO_SOCKET_IFNAME")
+    return {**{k: os.environ[k] for k in keys}, "sum": total.item()}
+
+result = launch(where, num_processes=2, cluster="ray")
+for rank, value in sorted(result.values.items()):
+    print("value", rank, sorted(value.items()))
+print("metrics", result.metrics.series("total", rank=0), result.metrics.series("total", rank=1))
+""")
+    out = cell.stdout
+    assert re.search(r"2 rank\(s\) on 2 Ray node\(s\), backend gloo", out), out
+    assert "node 10.77.0.1 (accel0)" in out and "node 10.77.0.2 (accel0)" in out, out
+    assert "rank 0 says hello" in out and "rank 1 says hello" not in out, out  # rank 0 only, in this cell
+    assert "metrics [(1, 3.0)] [(1, 3.0)]" in out, out  # report() from both nodes
+    values = dict(re.findall(r"value (\d) (.*)", out))
+    assert set(values) == {"0", "1"}, out
+    for rank in ("0", "1"):
+        value = ast.literal_eval(values[rank])
+        facts = dict(value)
+        assert facts["RANK"] == rank and facts["LOCAL_RANK"] == "0" and facts["LOCAL_WORLD_SIZE"] == "1"
+        assert facts["NODE_RANK"] == rank and facts["WORLD_SIZE"] == "2" and facts["sum"] == 3.0
+        assert facts["GLOO_SOCKET_IFNAME"] == "accel0"
+    master = re.search(r"rendezvous ([\d.]+):\d+", out)
+    assert master is not None and dict(ast.literal_eval(values["0"]))["MASTER_ADDR"] == master.group(1)
+    assert master.group(1) in re.search(r"node ([\d.]+) \S+  rank 0 ", out).group(1)  # type: ignore[union-attr]
+    notebook.assert_nothing_left(table_pids(out))
+
+
+def test_nodes_spreads_the_ranks_over_that_many_nodes(notebook: Notebook) -> None:
+    cell = notebook.checked("""
+spread = launch(lambda: (os.environ["NODE_RANK"], ray.util.get_node_ip_address()), cluster="ray", nodes=2,
+                num_processes=2).values
+print("spread", sorted(spread.values()))
+""")
+    assert "spread [('0', '10.77.0." in cell.stdout and "('1', '10.77.0." in cell.stdout, cell.stdout
+    assert len(set(re.findall(r"'(10\.77\.0\.\d)'", cell.stdout))) == 2, cell.stdout
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
+def test_a_failure_on_the_second_node_shows_its_traceback_and_ends_every_actor(notebook: Notebook) -> None:
+    cell = notebook.run("""
+def fail_on_node_2():
+    import torch, torch.distributed as dist
+    if os.environ["NODE_RANK"] == "1":
+        raise ValueError(f"bad shard on {ray.util.get_node_ip_address()}")
+    dist.barrier()   # rank 0 would wait here forever
+
+launch(fail_on_node_2, num_processes=2, cluster="ray")
+""")
+    assert cell.error is not None, cell.stdout
+    text = cell.error_text
+    assert "Rank 1 failed: ValueError: bad shard on 10.77.0." in text, text
+    assert re.search(r"\[rank 1\] +File .*, line 4, in fail_on_node_2", text), text  # the user's own frame
+    assert "Stopped by accelnb after the failure: rank 0" in text, text
+    node_of_rank_1 = re.search(r"node ([\d.]+) \S+  rank 1 ", cell.stdout)
+    assert node_of_rank_1 is not None and f"bad shard on {node_of_rank_1.group(1)}" in text
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
+def test_an_interrupt_stops_every_actor(notebook: Notebook) -> None:
+    cell = notebook.run("""
+def long_job():
+    print("started", flush=True)
+    time.sleep(600)
+
+notebook_launcher(long_job, num_processes=2, cluster="ray")
+""", interrupt_after="started")
+    assert cell.error is not None and "KeyboardInterrupt" in cell.error_text, cell.stdout
+    assert "every worker was ended" in cell.error_text, cell.error_text
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
+def test_a_timeout_shows_every_ranks_stack_then_stops_them(notebook: Notebook) -> None:
+    cell = notebook.run("""
+def stuck_in_sleep():
+    time.sleep(600)
+
+stuck = Session.start(cluster="ray", num_processes=2)
+stuck.run(os.getpid)   # set up and joined: the timeout below is the function's alone
+stuck.run(stuck_in_sleep, timeout=3)
+""")
+    text = cell.error_text
+    assert "LaunchTimeout" in text and "timeout=3 s" in text, text
+    for rank in (0, 1):
+        assert f"── rank {rank} ──" in text
+        assert re.search(rf"\[rank {rank}\] .*in stuck_in_sleep", text), text
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
+def test_a_killed_actor_is_that_ranks_failure_with_its_node_named(notebook: Notebook) -> None:
+    cell = notebook.run("""
+def killed_on_rank_1():
+    import signal, torch.distributed as dist
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+launch(killed_on_rank_1, num_processes=2, cluster="ray")
+""")
+    node_of_rank_1 = re.search(r"node ([\d.]+) \S+  rank 1 .*\(pid (\d+)\)", cell.stdout)
+    assert node_of_rank_1 is not None, cell.stdout
+    assert (f"Rank 1 failed: its Ray actor on node {node_of_rank_1.group(1)} (pid {node_of_rank_1.group(2)}) died"
+            in cell.error_text), cell.error_text
+    assert "RankCrashed" in cell.error_text
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
+def test_a_session_keeps_its_actors_and_their_variables_between_runs(notebook: Notebook) -> None:
+    cell = notebook.checked("""
+session = Session.start(cluster="ray", num_processes=2)
+def remember():   # process state that only the same actor process can give back
+    os.environ["KEPT_BY_THE_RANK"] = str(int(os.environ["RANK"]) * 10)
+    return os.getpid()
+def recall():
+    return os.getpid(), int(os.environ["KEPT_BY_THE_RANK"])
+first = session.run(remember).values
+again = session.run(recall).values
+print("same pids", all(again[r][0] == first[r] for r in first), "values", sorted((r, v[1]) for r, v in again.items()))
+print(session.status())
+session.stop()
+""")
+    assert "same pids True values [(0, 0), (1, 10)]" in cell.stdout, cell.stdout
+    assert "accelnb session on Ray: 2 rank(s), backend gloo, running" in cell.stdout
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
+def test_an_interrupt_in_a_session_stops_the_call_and_keeps_the_actors(notebook: Notebook) -> None:
+    started = notebook.checked("kept = Session.start(cluster='ray', num_processes=2)\n"
+                               "pids = kept.run(os.getpid).values")
+    cell = notebook.run("""
+def spin():
+    print("started", flush=True)
+    while True:
+        time.sleep(0.05)
+
+kept.run(spin)
+""", interrupt_after="started")
+    assert "KeyboardInterrupt" in cell.error_text, cell.error_text + cell.stdout
+    assert "the session and its variables are kept" in cell.error_text, cell.error_text
+    after = notebook.checked("print('same', kept.run(os.getpid).values == pids, kept.alive)\nkept.stop()")
+    assert "same True True" in after.stdout, after.stdout
+    notebook.assert_nothing_left(table_pids(started.stdout))
+
+
+def test_distributed_magic_runs_a_cell_on_the_cluster(notebook: Notebook) -> None:
+    notebook.checked("%load_ext accelnb")
+    cell = notebook.checked("""%%distributed --cluster ray --procs 2
+print(f"cell on rank {rank} of {world_size}")
+node_rank = int(os.environ["NODE_RANK"])
+""")
+    assert "cell on rank 0 of 2" in cell.stdout and "cell on rank 1" not in cell.stdout, cell.stdout
+    assert "brought back from rank 0: node_rank" in cell.stdout
+    assert notebook.checked("print('node_rank is', node_rank)").stdout.strip() == "node_rank is 0"
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
+# ── before anything starts ──────────────────────────────────────────────────────────────────────
+LAUNCH_SCRIPT = """
+import sys
+{before}
+from accelnb import notebook_launcher
+try:
+    notebook_launcher(print, num_processes=2, cluster="ray")
+except Exception as error:
+    print(type(error).__name__, error)
+"""
+
+
+def test_without_ray_installed_it_says_how_to_install_it() -> None:
+    script = LAUNCH_SCRIPT.format(before='sys.modules["ray"] = None  # as if not installed')
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert done.stdout.startswith('LaunchConfigError cluster="ray" needs Ray'), done.stdout + done.stderr
+    assert "pip install 'accelnb[ray]'" in done.stdout
+
+
+def test_without_a_cluster_it_says_how_to_start_one_and_starts_nothing(tmp_path: Path) -> None:
+    lonely = NamespaceCluster.lo_only(tmp_path)
+    try:
+        env = {**lonely.env(), "RAY_TMPDIR": str(tmp_path)}  # no cluster file of any other Ray on this machine
+        env.pop("RAY_ADDRESS", None)
+        done = subprocess.run(lonely.exec_in(0, [sys.executable, "-c", LAUNCH_SCRIPT.format(before="")]),
+                              capture_output=True, text=True, cwd=REPO, env=env, timeout=120)
+        assert done.stdout.startswith('LaunchConfigError cluster="ray" found no Ray cluster'), done.stdout + done.stderr
+        assert "ray start --head" in done.stdout and "RAY_ADDRESS" in done.stdout
+        assert lonely.pids_inside() == []  # no Ray instance of its own was started
+    finally:
+        lonely.stop()
+
+
+def test_options_are_checked_before_anything_starts() -> None:
+    from accelnb import LaunchConfigError, notebook_launcher
+
+    with pytest.raises(LaunchConfigError, match='nodes= places ranks on the nodes of a cluster; pass cluster="ray"'):
+        notebook_launcher(print, num_processes=2, nodes=2)
+    with pytest.raises(LaunchConfigError, match="cluster='ray' does not take gpus=: it names GPUs of this machine"):
+        notebook_launcher(print, gpus="0", cluster="ray")
