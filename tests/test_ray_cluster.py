@@ -288,10 +288,16 @@ def recall():
 first = session.run(remember).values
 again = session.run(recall).values
 print("same pids", all(again[r][0] == first[r] for r in first), "values", sorted((r, v[1]) for r, v in again.items()))
+def change():     # run on rank 1 only: rank 0's state stays as it was
+    os.environ["KEPT_BY_THE_RANK"] = "99"
+    return int(os.environ["RANK"])
+print("ranks=[1] ran on", session.run(change, ranks=[1]).values)
+print("after", sorted((r, v[1]) for r, v in session.run(recall).values.items()))
 print(session.status())
 session.stop()
 """)
     assert "same pids True values [(0, 0), (1, 10)]" in cell.stdout, cell.stdout
+    assert "ranks=[1] ran on {1: 1}" in cell.stdout and "after [(0, 0), (1, 99)]" in cell.stdout, cell.stdout
     assert "accelnb session on Ray: 2 rank(s), backend gloo, running" in cell.stdout
     notebook.assert_nothing_left(table_pids(cell.stdout))
 
