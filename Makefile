@@ -20,7 +20,7 @@ test: setup lint typecheck
 	$(PY) -m pytest -q
 
 soak: setup
-	$(PY) -m pytest -q -m slow tests/soak -s
+	$(PY) -m pytest -q -m slow tests -s
 
 bench: setup
 	$(PY) -m pip install -q "accelerate>=1.0" "lightning>=2.4"  # benchmark-only peers; keeps the editable install
