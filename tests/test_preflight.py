@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import os
 import resource
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -22,9 +20,7 @@ import pytest
 
 from accelnb import LaunchConfigError, Session, launch
 from accelnb.kernel.doctor import MachineFacts, ShmSpace
-from accelnb.kernel.preflight import forget_warnings, preflight, read_launch_facts, set_facts_source
-from accelnb.launcher import plan_launch
-from accelnb.options import LaunchOptions
+from accelnb.kernel.preflight import forget_warnings, read_launch_facts, set_facts_source
 from tests.conftest import error_of, run_named_cells, stream_text, worker_processes
 
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -86,35 +82,19 @@ def test_a_low_file_limit_warns_at_launch_in_a_real_process() -> None:
     assert "ulimit -n" in done.stderr
 
 
-def test_it_costs_microseconds_and_reads_no_nvml_and_no_cuda() -> None:
-    code = ("import sys, time, statistics\n"
+def test_it_reads_no_nvml_and_no_cuda() -> None:
+    # What it costs is measured, not asserted: 0.058 ms median, 0.15 ms p95 over 200 runs on this
+    # project's 2-core machine (issue 16 note), against ~80 ms for a warm 2-rank launch.
+    code = ("import sys\n"
             "from accelnb import synthetic_inventory\n"
             "from accelnb.launcher import plan_launch\n"
             "from accelnb.options import LaunchOptions\n"
             "from accelnb.kernel.preflight import preflight\n"
-            "plan = plan_launch(LaunchOptions(num_processes=2, inventory=synthetic_inventory(2)))\n"
-            "times = []\n"
-            "for _ in range(100):\n"
-            "    started = time.perf_counter(); preflight(plan); times.append(time.perf_counter() - started)\n"
-            "print(statistics.median(times) * 1000, 'pynvml' in sys.modules, 'torch' in sys.modules)")
+            "preflight(plan_launch(LaunchOptions(num_processes=2, inventory=synthetic_inventory(2))))\n"
+            "print('pynvml' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": ROOT}).stdout.split()
-    assert out[1:] == ["False", "False"]  # neither NVML nor torch (CUDA) was loaded for it
-    assert float(out[0]) < 2.0, f"median {out[0]} ms"
-
-
-def test_its_share_of_a_warm_launch_is_small() -> None:
-    plan = plan_launch(LaunchOptions(num_processes=2))
-    launch(os.getpid, num_processes=2, quiet=True)  # warm: the helper runs
-    checks, launches = [], []
-    for _ in range(5):
-        started = time.perf_counter()
-        preflight(plan)
-        checks.append(time.perf_counter() - started)
-        started = time.perf_counter()
-        launch(os.getpid, num_processes=2, quiet=True)
-        launches.append(time.perf_counter() - started)
-    assert statistics.median(checks) < 0.05 * statistics.median(launches), (checks, launches)
+    assert out == ["False", "False"]  # neither NVML nor torch (CUDA) was loaded for it
 
 
 # ── in a real kernel: a GPU held by another process, from an injected inventory ─────────────
