@@ -12,6 +12,9 @@ of its own that has already imported torch, as a notebook's first cell does:
     Accelerate's ``notebook_launcher(f, num_processes=2)`` in the same kind of kernel, imported in
     an earlier cell; its ``f`` sets up the gloo group from the environment Accelerate gives it,
     does the same ``all_reduce``, and leaves the group.
+``…, spawned helper``
+    The same with ``ACCELNB_HELPER_START=spawn``: the helper is a fresh interpreter that imports
+    torch, as before it was forked from the kernel (``accelnb/kernel/helper_process.py``).
 ``%load_ext → %distributed start``
     One cell takes the time and runs ``%load_ext accelnb`` (which gives the helper a head start);
     the very next cell runs ``%distributed start --procs 2``; a third reads the clock: the time
@@ -67,13 +70,19 @@ LOAD_EXT_CELLS = [
     "%distributed stop",
 ]
 
-CASES = {"accelnb first call": ACCELNB_CELLS, "Accelerate first call": ACCELERATE_CELLS,
-         "%load_ext → %distributed start": LOAD_EXT_CELLS}
+SPAWNED = {"ACCELNB_HELPER_START": "spawn"}  # what every launch did before the helper was forked
+CASES: dict[str, tuple[list[str], dict[str, str]]] = {
+    "accelnb first call": (ACCELNB_CELLS, {}),
+    "accelnb first call, spawned helper": (ACCELNB_CELLS, SPAWNED),
+    "Accelerate first call": (ACCELERATE_CELLS, {}),
+    "%load_ext → %distributed start": (LOAD_EXT_CELLS, {}),
+    "%load_ext → %distributed start, spawned helper": (LOAD_EXT_CELLS, SPAWNED),
+}
 
 
-def seconds_in_fresh_kernel(cells: Sequence[str]) -> float:
+def seconds_in_fresh_kernel(cells: Sequence[str], env: dict[str, str]) -> float:
     """Run ``cells`` in a new kernel; return the number a cell printed after ``SECONDS``."""
-    manager, client = start_new_kernel(kernel_name="python3")
+    manager, client = start_new_kernel(kernel_name="python3", env={**os.environ, **env})
     printed: list[str] = []
     try:
         for cell in cells:
@@ -116,8 +125,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     load_before = os.getloadavg()[0]
     runs: dict[str, list[float]] = {name: [] for name in CASES}
     for _ in range(opts.repeats):  # alternate the cases, so that a burst of load hits all of them
-        for name, cells in CASES.items():
-            runs[name].append(seconds_in_fresh_kernel(cells))
+        for name, (cells, env) in CASES.items():
+            runs[name].append(seconds_in_fresh_kernel(cells, env))
             print(f"{name}: {runs[name][-1]:.2f} s", file=sys.stderr)
     medians = {name: statistics.median(values) for name, values in runs.items()}
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
