@@ -6,14 +6,19 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import nbclient
 import nbformat
 import psutil
 import pytest
+from jupyter_client.blocking.client import BlockingKernelClient
+from jupyter_client.manager import KernelManager, start_new_kernel
 
 from accelnb.kernel.helper_client import running_helper_pid
+
+REPO = Path(__file__).resolve().parents[1]
 
 # The interrupt tests press Ctrl-C by sending SIGINT to this process, as Jupyter's stop button
 # does to a kernel (which always has Python's handler). A test run started in the background by
@@ -26,13 +31,28 @@ signal.signal(signal.SIGINT, signal.default_int_handler)
 def worker_processes() -> list[psutil.Process]:
     """Every live process below this process's helper (the workers and their children)."""
     helper_pid = running_helper_pid()
-    if helper_pid is None:
-        return []
+    return [] if helper_pid is None else live_descendants(helper_pid)
+
+
+def live_descendants(pid: int) -> list[psutil.Process]:
+    """Every process below ``pid`` that still runs (zombies excluded)."""
     try:
-        children = psutil.Process(helper_pid).children(recursive=True)
+        children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
     return [child for child in children if _running(child)]
+
+
+def start_repo_kernel(**env: str | None) -> tuple[KernelManager, BlockingKernelClient]:
+    """A real kernel importing this working tree's accelnb; ``env`` sets (or, with None, removes)
+    variables of its environment."""
+    environ = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
+    for name, value in env.items():
+        if value is None:
+            environ.pop(name, None)
+        else:
+            environ[name] = value
+    return start_new_kernel(kernel_name="python3", env=environ, cwd=str(REPO))
 
 
 def _running(process: psutil.Process) -> bool:

@@ -8,24 +8,21 @@ that records what is sent, to see on which thread the inventory is read.
 
 from __future__ import annotations
 
-import os
 import queue
 import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
-from jupyter_client.manager import KernelManager, start_new_kernel
 
 from accelnb.kernel import run_state
 from accelnb.kernel.inventory import Inventory, synthetic_inventory
 from accelnb.notebook.lab_bridge import PanelConnection
+from tests.conftest import start_repo_kernel
 
-REPO = Path(__file__).resolve().parents[1]
 TARGET = "accelnb.gpus"
 
 Message = dict[str, Any]
@@ -103,10 +100,7 @@ def closes(comm_id: str) -> Callable[[Message], bool]:
 
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[KernelSession]:
-    env = dict(os.environ, ACCELNB_SYNTHETIC_GPUS="4",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
-    manager: KernelManager
-    manager, client = start_new_kernel(kernel_name="python3", env=env, cwd=str(REPO))
+    manager, client = start_repo_kernel(ACCELNB_SYNTHETIC_GPUS="4")
     try:
         session = KernelSession(client)
         session.execute("import accelnb.notebook.lab_bridge as bridge; bridge.register_comm_target(get_ipython())\n"

@@ -16,19 +16,17 @@ panel open, is not heard until the run has ended by itself.
 from __future__ import annotations
 
 import json
-import os
 import queue
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
-from jupyter_client.manager import start_new_kernel
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import start_repo_kernel
+
 Message = dict[str, Any]
 
 SETUP = """
@@ -145,10 +143,7 @@ def shows_running(message: Message) -> bool:
 
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[Kernel]:
-    paths = [str(REPO), os.environ.get("PYTHONPATH")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
-    env.pop("ACCELNB_SYNTHETIC_GPUS", None)
-    manager, client = start_new_kernel(kernel_name="python3", env=env, cwd=str(REPO))
+    manager, client = start_repo_kernel(ACCELNB_SYNTHETIC_GPUS=None)
     session = Kernel(client)
     try:
         yield session

@@ -26,18 +26,18 @@ from typing import Any
 import psutil
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
-from jupyter_client.manager import KernelManager, start_new_kernel
+from jupyter_client.manager import KernelManager
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.conftest import REPO, live_descendants, start_repo_kernel
+
 Message = dict[str, Any]
 
 SETUP = """
 %load_ext accelnb
-import json, accelnb
+import json, os, accelnb
 from accelnb import notebook_launcher
-from accelnb.kernel.helper_client import shared_helper
 notebook_launcher(int, num_processes=2, quiet=True)  # warm: later timings are the runs' own
-print(json.dumps({"helper": shared_helper().pid}))
+print(json.dumps({"kernel": os.getpid()}))
 """
 
 
@@ -48,7 +48,7 @@ class Kernel:
         self.manager = manager
         self.client = client
         self.iopub: list[Message] = []
-        self.helper_pid = 0
+        self.kernel_pid = 0
 
     def execute(self, code: str, allow_stdin: bool = True) -> str:
         return self.client.execute(code, allow_stdin=allow_stdin)
@@ -108,32 +108,27 @@ class Kernel:
                     if m["header"]["msg_type"] == "execute_result" and m["parent_header"].get("msg_id") == msg_id)
 
     def workers(self) -> list[psutil.Process]:
-        """Live processes under the kernel's worker helper."""
-        try:
-            children = psutil.Process(self.helper_pid).children(recursive=True)
-        except psutil.NoSuchProcess:
-            return []
-        return [p for p in children if _running(p)]
+        """Live processes under the kernel's helpers: a forked helper hands over to a spawned one
+        (``kernel/helper_process.py``), so whichever helper forked them, they are the kernel's
+        grandchildren."""
+        return [p for p in live_descendants(self.kernel_pid) if _parent(p) != self.kernel_pid]
 
 
-def _running(process: psutil.Process) -> bool:
+def _parent(process: psutil.Process) -> int | None:
     try:
-        return process.status() != psutil.STATUS_ZOMBIE
+        return process.ppid()
     except psutil.NoSuchProcess:
-        return False
+        return None
 
 
 @pytest.fixture(scope="module")
 def kernel() -> Iterator[Kernel]:
-    paths = [str(REPO), os.environ.get("PYTHONPATH")]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
-    env.pop("ACCELNB_SYNTHETIC_GPUS", None)
-    manager, client = start_new_kernel(kernel_name="python3", env=env, cwd=str(REPO))
+    manager, client = start_repo_kernel(ACCELNB_SYNTHETIC_GPUS=None)
     session = Kernel(manager, client)
     try:
         msg_id = session.execute(SETUP)
         assert session.finish(msg_id, timeout=120)["content"]["status"] == "ok"
-        session.helper_pid = json.loads(session.stream(msg_id))["helper"]
+        session.kernel_pid = json.loads(session.stream(msg_id))["kernel"]
         yield session
     finally:
         client.stop_channels()
