@@ -13,18 +13,22 @@ worker registers them in its own ``linecache``.
 from __future__ import annotations
 
 import linecache
+from collections.abc import Collection
 
 # Past this many characters of cell sources, the newest cells only: a call stays small.
 SOURCES_LIMIT_CHARS = 1 << 20
 
 
-def in_memory_sources(limit: int = SOURCES_LIMIT_CHARS) -> tuple[tuple[str, str], ...]:
-    """(filename, text) of every source ``linecache`` holds that is not on disk, newest first."""
+def in_memory_sources(limit: int = SOURCES_LIMIT_CHARS,
+                      already_sent: Collection[str] = ()) -> tuple[tuple[str, str], ...]:
+    """(filename, text) of every source ``linecache`` holds that is not on disk, newest first,
+    leaving out ``already_sent`` (a session's ranks keep what earlier calls gave them: a cell's
+    file name is never reused for other text)."""
     chosen: list[tuple[str, str]] = []
     total = 0
     for filename, entry in reversed(list(linecache.cache.items())):
-        if len(entry) != 4 or entry[1] is not None:
-            continue  # a file on disk (the rank reads it itself), or lazily loaded
+        if len(entry) != 4 or entry[1] is not None or filename in already_sent:
+            continue  # a file on disk (the rank reads it itself), lazily loaded, or sent before
         text = "".join(entry[2])
         total += len(text)
         if total > limit:

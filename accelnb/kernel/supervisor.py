@@ -178,6 +178,7 @@ class WorkerGroup:
         self.output = output
         self.metric_sink = metric_sink
         self.workers: list[_Worker] = []
+        self._sources_sent: set[str] = set()  # notebook cell sources every rank has (cell_sources.py)
         self.run: run_state.RunState | None = None
         self.closed = False
         self._on_step = on_step
@@ -341,7 +342,8 @@ class WorkerGroup:
     def _send_call(self, answers: _Answers, payload: Packed, value_ranks: set[int]) -> None:
         """One frame for all ranks: its big buffers are written once, each rank maps them."""
         assert answers.call_id is not None
-        call = RunCall(answers.call_id, payload, frozenset(value_ranks), sources=in_memory_sources())
+        sources = in_memory_sources(already_sent=self._sources_sent)
+        call = RunCall(answers.call_id, payload, frozenset(value_ranks), sources=sources)
         with encode(call) as frame:
             for worker in self.workers:
                 if not worker.alive or worker.inbox is None or not answers.runs_on(worker.rank):
@@ -354,6 +356,8 @@ class WorkerGroup:
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # it died already; its exit report explains why
                 self._inbox_half_written = False
+        if answers.ranks is None:  # every rank has them now; a --ranks call gave them to some only
+            self._sources_sent.update(filename for filename, _ in sources)
         self._step("call-sent")
 
     def _after_inbox_write(self, bytes_left: int) -> None:
