@@ -15,12 +15,13 @@ shows what a launch with the same options would run, without starting anything.
 Every keyword is an option described once in :mod:`accelnb.options`. This module is the
 composition root: it resolves the picker's default selection (so the planner stays pure), wires
 the notebook's displays into the engine, and orders the work so that bad input fails before
-anything starts: check the options, plan (raises on a selection that does not fit the GPUs),
-read the thread budget, pickle the call (raises naming an unpicklable argument), open the
+anything starts: check the options, pickle the call (raises naming an unpicklable argument),
+plan (raises on a selection that does not fit the GPUs), read the thread budget, open the
 TensorBoard log of ``log_dir=`` (raises if tensorboard is not installed), bind the rendezvous
 port (raises if a requested one is taken), and only then fork workers from the clean helper
-process. With ``max_restarts=`` that start, run and stop is repeated by
-:mod:`accelnb.kernel.attempts` when a rank fails.
+process (or, to hand a big payload down without copying it, from a helper forked from the kernel
+for this launch: :mod:`accelnb.kernel.payload_delivery`). With ``max_restarts=`` that start, run
+and stop is repeated by :mod:`accelnb.kernel.attempts` when a rank fails.
 """
 
 from __future__ import annotations
@@ -35,9 +36,11 @@ from accelnb.errors import LaunchConfigError
 from accelnb.kernel import planning
 from accelnb.kernel.accelerate_config import AccelerateConfig, merge_placement, read_accelerate_config
 from accelnb.kernel.attempts import run_attempts
+from accelnb.kernel.helper_client import HelperSource, shared_helper
 from accelnb.kernel.inventory import read_inventory
 from accelnb.kernel.launch_result import LaunchResult
 from accelnb.kernel.payload import pack_call
+from accelnb.kernel.payload_delivery import payload_delivery
 from accelnb.kernel.preflight import preflight
 from accelnb.kernel.rank_group import RankGroup
 from accelnb.kernel.runs import AttemptSink, MetricRoute, MetricsView, last_result, start_workers
@@ -53,6 +56,7 @@ from accelnb.options import (
     StartKeywords,
     documents_options,
 )
+from accelnb.wire.buffers import Packed
 
 if TYPE_CHECKING:
     from typing import Unpack
@@ -125,20 +129,29 @@ def launch(
 def launch_with(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None,
                 options: LaunchOptions, *, metric_sink: Callable[[Any], None] | None = None) -> LaunchResult:
     """:func:`launch` for callers that already hold a :class:`LaunchOptions` (the magic)."""
-    start = group_starter(options, persistent=False)
+    local_plan = plan_launch(options) if options.cluster == "local" else None  # raises on a bad selection
     payload = pack_call(function, args, kwargs or {})
     sinks: list[AttemptSink] = []
     if metric_sink is not None:
         sinks.append(lambda batch, attempt: metric_sink(batch))
-    with metric_route(options, sinks) as route:  # a log_dir= that cannot be written fails here, before start
-        try:
-            return run_attempts(
-                start, payload, collect=options.collect, output=options.output, timeout=options.timeout,
-                metrics=route, max_restarts=options.max_restarts, restart_delay=options.restart_delay)
-        except KeyboardInterrupt as interrupt:
-            # The stop button: the engine's frames would fill the cell and explain nothing. The
-            # exception itself (its type and message say what was stopped) is kept.
-            raise interrupt.with_traceback(None) from None
+    # The delivery forks nothing yet: a helper of the launch's own is forked by the first start.
+    ranks_here = None if local_plan is None else len(local_plan.ranks)
+    with payload_delivery(payload, local_ranks=ranks_here) as delivery:
+        start = group_starter(options, persistent=False, helpers=delivery.helpers, the_plan=local_plan)
+        with metric_route(options, sinks) as route:  # a log_dir= that cannot be written fails here, before start
+            return _run_attempts(start, delivery.payload, options, route)
+
+
+def _run_attempts(start: Callable[[int], RankGroup], payload: Packed, options: LaunchOptions,
+                  route: MetricRoute) -> LaunchResult:
+    try:
+        return run_attempts(
+            start, payload, collect=options.collect, output=options.output, timeout=options.timeout,
+            metrics=route, max_restarts=options.max_restarts, restart_delay=options.restart_delay)
+    except KeyboardInterrupt as interrupt:
+        # The stop button: the engine's frames would fill the cell and explain nothing. The
+        # exception itself (its type and message say what was stopped) is kept.
+        raise interrupt.with_traceback(None) from None
 
 
 @contextmanager
@@ -204,10 +217,12 @@ def _overridden(config: AccelerateConfig, given: LaunchOptions) -> tuple[str, ..
     return tuple(name for name, in_file in pairs if in_file is not None and getattr(given, name) not in (None, in_file))
 
 
-def group_starter(options: LaunchOptions, *, persistent: bool) -> Callable[[int], RankGroup]:
+def group_starter(options: LaunchOptions, *, persistent: bool, helpers: HelperSource = shared_helper,
+                  the_plan: planning.LaunchPlan | None = None) -> Callable[[int], RankGroup]:
     """What starts the ranks of ``options`` (given a restart count), once everything that can be
-    checked before anything starts has been: this machine's plan, or the cluster backend's
-    checks (Ray installed, a cluster reachable and big enough)."""
+    checked before anything starts has been: this machine's plan (``the_plan``, if the caller
+    made it already), or the cluster backend's checks (Ray installed, a cluster reachable and big
+    enough). Local workers are forked by a helper from ``helpers``."""
     if options.cluster != "local":
         backend = cluster_backend(options.cluster)
         request = ClusterRequest(num_processes=options.num_processes, nodes=options.nodes,
@@ -215,8 +230,9 @@ def group_starter(options: LaunchOptions, *, persistent: bool) -> Callable[[int]
                                  mixed_precision=options.mixed_precision, quiet=options.quiet)
         backend.check(request)
         return lambda restart_count: backend.start(request, persistent=persistent, restart_count=restart_count)
-    the_plan = plan_launch(options)
-    return lambda restart_count: start_group(the_plan, options, persistent=persistent, restart_count=restart_count)
+    local_plan = the_plan or plan_launch(options)
+    return lambda restart_count: start_group(local_plan, options, persistent=persistent, restart_count=restart_count,
+                                             helpers=helpers)
 
 
 def check_launch(options: LaunchOptions) -> None:
@@ -225,14 +241,14 @@ def check_launch(options: LaunchOptions) -> None:
 
 
 def start_group(the_plan: planning.LaunchPlan, options: LaunchOptions, *, persistent: bool,
-                restart_count: int = 0) -> WorkerGroup:
+                restart_count: int = 0, helpers: HelperSource = shared_helper) -> WorkerGroup:
     """Fork the workers of ``the_plan``; a bad ``OMP_NUM_THREADS`` or a failed pre-launch check
     (:mod:`accelnb.kernel.preflight`) fails first, before the port is bound or anything is forked."""
     threads_per_rank(len(the_plan.ranks))
     if restart_count == 0:  # a restart runs on the machine the first attempt was judged on
         preflight(the_plan)
     return start_workers(the_plan, options.master_port, persistent=persistent, quiet=options.quiet,
-                         restart_count=restart_count)
+                         restart_count=restart_count, helpers=helpers)
 
 
 def with_picker_default(options: LaunchOptions) -> LaunchOptions:

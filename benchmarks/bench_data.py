@@ -10,7 +10,12 @@ Cases (medians of ``--repeats`` runs, after one warm-up launch that starts accel
     The floor: ``X.clone()`` of the same bytes (a fresh allocation, like a received copy).
 ``accelnb-in``
     ``notebook_launcher(first_element, args=(X,))``: the whole call, helper warm; every rank
-    reads one element. Also the same call with no argument, for the launch's own share.
+    reads one element. Also the same call with no argument, for the launch's own share. Where
+    the payload is big enough (``kernel/payload_delivery.py``), the ranks inherit it from a
+    helper forked for the launch.
+``accelnb-in-memfd``
+    The same, with forks ruled out (``ACCELNB_HELPER_START=spawn``): the tensor is copied once
+    into a memfd that every rank maps, as it is for a session's calls or a kernel using CUDA.
 ``accelerate-in``
     Accelerate's ``notebook_launcher`` with the same function as a closure argument: it forks
     this process, so the ranks see ``X`` for free. The function joins and leaves a gloo group, as
@@ -116,7 +121,9 @@ def run_case(case: str, size_mib: int, ranks: int, repeats: int) -> dict[str, An
     if case == "memcpy":
         x = torch.ones(numel)
         out["times"] = [timed(lambda: x.clone()) for _ in range(repeats)]
-    elif case == "accelnb-in":
+    elif case in ("accelnb-in", "accelnb-in-memfd"):
+        if case == "accelnb-in-memfd":
+            os.environ["ACCELNB_HELPER_START"] = "spawn"
         import accelnb
 
         accelnb.notebook_launcher(first_element, num_processes=ranks, quiet=True)  # warm helper
@@ -154,7 +161,7 @@ def run_case(case: str, size_mib: int, ranks: int, repeats: int) -> dict[str, An
 
 
 # ── the parent: cases in fresh processes, one table ─────────────────────────────────────────
-CASES = ("memcpy", "accelerate-in", "accelnb-in", "accelnb-out")
+CASES = ("memcpy", "accelerate-in", "accelnb-in", "accelnb-in-memfd", "accelnb-out")
 
 
 def spawn_case(case: str, size: int, ranks: int, repeats: int) -> dict[str, Any]:
@@ -180,19 +187,22 @@ def ms(value: float | None) -> str:
 def table(rows: dict[tuple[int, int], dict[str, dict[str, Any]]],
           before: dict[str, Any] | None) -> str:
     lines = ["| MiB | ranks | memcpy | Accelerate in | accelnb in (empty launch) | in / Accelerate "
+             "| accelnb in, memfd only | memfd / Accelerate "
              "| accelnb out (empty call) | out / memcpy | kernel peak RSS MiB | RSS after out / data |",
-             "| --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |"]
+             "| --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: | --: |"]
     for (size, ranks), cases in sorted(rows.items()):
         memcpy = median(cases["memcpy"].get("times"))
         accel = median(cases["accelerate-in"].get("times"))
         ship, ship_empty = median(cases["accelnb-in"].get("times")), median(cases["accelnb-in"].get("empty"))
+        memfd = median(cases["accelnb-in-memfd"].get("times"))
         back, back_empty = median(cases["accelnb-out"].get("times")), median(cases["accelnb-out"].get("empty"))
-        peak = max(cases[c].get("peak_mib", 0.0) for c in ("accelnb-in", "accelnb-out"))
+        peak = max(cases[c].get("peak_mib", 0.0) for c in ("accelnb-in", "accelnb-in-memfd", "accelnb-out"))
         after = cases["accelnb-out"].get("after_mib")
         lines.append(
             f"| {size} | {ranks} | {ms(memcpy)} | {ms(accel)} | {ms(ship)} ({ms(ship_empty)}) "
-            f"| {ship / accel:.2f} | {ms(back)} ({ms(back_empty)}) | {back / memcpy:.2f} | {peak:,.0f} "
-            f"| {after / size:.2f} |" if None not in (memcpy, accel, ship, back, after) else
+            f"| {ship / accel:.2f} | {ms(memfd)} | {memfd / accel:.2f} "
+            f"| {ms(back)} ({ms(back_empty)}) | {back / memcpy:.2f} | {peak:,.0f} "
+            f"| {after / size:.2f} |" if None not in (memcpy, accel, ship, memfd, back, after) else
             f"| {size} | {ranks} | failed: {json.dumps({c: v.get('error') for c, v in cases.items()})} |")
     if before:
         lines += ["", "Before (main, same script, same machine):", "",

@@ -29,7 +29,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from accelnb.errors import WorkerStartError
 from accelnb.kernel.call_outcome import HelperExit
@@ -43,6 +43,13 @@ RECLAIM_WAIT_S = 2.0  # an interrupted spawn: how long to wait for the pids of w
 DEATH_STATUS_WAIT_S = 1.0  # its socket closed: how long the process may take to be reapable
 
 StepHook = Callable[[str], None]  # called at named steps; tests inject faults there
+
+
+class HelperSource(Protocol):
+    """Where a launch gets its ready helper: :func:`shared_helper`, or one forked for the launch
+    (``payload_delivery.LaunchHelper``)."""
+
+    def __call__(self, *, on_step: StepHook | None = None) -> WorkerHelper: ...
 
 
 @dataclass(frozen=True)

@@ -55,15 +55,21 @@ _RESET_SIGNALS = ("SIGTERM", "SIGCHLD", "SIGHUP", "SIGUSR1", "SIGUSR2", "SIGALRM
 
 def start_method() -> StartMethod:
     """"fork" where forking the kernel is safe and worth it (see the module docstring), else "spawn"."""
-    asked = os.environ.get(START_METHOD_VARIABLE, "auto").strip().lower()
-    if asked == "spawn" or not hasattr(os, "fork"):
+    if not fork_is_safe():
         return "spawn"
-    torch = sys.modules.get("torch")
-    if torch is None or torch.cuda.is_initialized():
-        return "spawn"  # without torch a fork saves nothing; with CUDA it would be unusable
-    if asked == "fork":
+    if os.environ.get(START_METHOD_VARIABLE, "auto").strip().lower() == "fork":
         return "fork"
     return "fork" if _in_ipython_kernel() else "spawn"
+
+
+def fork_is_safe() -> bool:
+    """Whether a helper may be forked from this process: torch is imported (without it a fork
+    saves nothing), CUDA is not initialised (a forked CUDA context is unusable), and the user
+    has not ruled forks out (``ACCELNB_HELPER_START=spawn``)."""
+    if os.environ.get(START_METHOD_VARIABLE, "auto").strip().lower() == "spawn" or not hasattr(os, "fork"):
+        return False
+    torch = sys.modules.get("torch")
+    return torch is not None and not torch.cuda.is_initialized()
 
 
 def _in_ipython_kernel() -> bool:

@@ -22,7 +22,7 @@ from typing import Any, Literal, Protocol
 from accelnb.errors import LaunchFailed
 from accelnb.kernel import planning
 from accelnb.kernel.failure_report import exception_for, interrupted_outside_call, start_interrupted
-from accelnb.kernel.helper_client import StepHook, shared_helper
+from accelnb.kernel.helper_client import HelperSource, StepHook, shared_helper
 from accelnb.kernel.launch_result import Attempt, LaunchResult
 from accelnb.kernel.metrics_history import MetricHistory
 from accelnb.kernel.output import OutputRouter, notebook_sink
@@ -77,9 +77,10 @@ _last_result: LaunchResult | None = None
 
 
 def start_workers(the_plan: planning.LaunchPlan, master_port: int | None, *, persistent: bool,
-                  quiet: bool, on_step: StepHook | None = None, restart_count: int = 0) -> WorkerGroup:
-    """Bind the rendezvous port and fork one worker per rank of ``the_plan`` (for attempt
-    ``restart_count`` of a launch with restarts).
+                  quiet: bool, on_step: StepHook | None = None, restart_count: int = 0,
+                  helpers: HelperSource = shared_helper) -> WorkerGroup:
+    """Bind the rendezvous port and have a helper from ``helpers`` fork one worker per rank of
+    ``the_plan`` (for attempt ``restart_count`` of a launch with restarts).
 
     An interrupt at any moment of this leaves no worker and no fd behind, and surfaces as
     :class:`~accelnb.errors.RunInterrupted`. ``on_step`` is for tests (see ``WorkerGroup``).
@@ -88,7 +89,7 @@ def start_workers(the_plan: planning.LaunchPlan, master_port: int | None, *, per
     group: WorkerGroup | None = None
     try:
         the_plan = the_plan.with_port(store_socket.getsockname()[1])
-        helper = shared_helper(on_step=on_step)
+        helper = helpers(on_step=on_step)
         _step(on_step, "helper-ready")
         router = OutputRouter(live_ranks={0}, prefix=False, sink=notebook_sink)
         group = WorkerGroup(the_plan, helper, router, persistent=persistent, on_step=on_step)
