@@ -13,6 +13,8 @@ from __future__ import annotations
 import os
 import pickle
 import signal
+import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -24,7 +26,7 @@ from accelnb.kernel.helper_client import running_helper_pid
 from accelnb.kernel.payload_delivery import inherit_worth_it
 from accelnb.wire.buffers import dump
 from accelnb.wire.inherited_payload import inherited
-from tests.conftest import live_descendants, result_of, run_notebook
+from tests.conftest import live_descendants, result_of, run_notebook, start_repo_kernel
 from tests.test_data_plane import _InterruptWhenRunning
 
 BIG = 256 << 20  # bytes
@@ -72,12 +74,29 @@ def block_forever(x: torch.Tensor) -> None:
     signal.pause()
 
 
+def say_where_then_block(x: torch.Tensor, folder: str) -> None:
+    """Write "pid helper-pid" to ``folder/<pid>`` (whole, by rename), then wait to be killed."""
+    float(x[0])
+    path = os.path.join(folder, str(os.getpid()))
+    with open(path + ".part", "w") as f:
+        f.write(f"{os.getpid()} {os.getppid()}")
+    os.rename(path + ".part", path)
+    signal.pause()
+
+
 # ── checks ──────────────────────────────────────────────────────────────────────────────────
 def children_but_the_shared_helper() -> list[psutil.Process]:
     """This process's live descendants outside the shared helper's tree (a launch's own helper)."""
     shared = running_helper_pid()
     below_shared = {p.pid for p in live_descendants(shared)} if shared is not None else set()
     return [p for p in live_descendants(os.getpid()) if p.pid != shared and p.pid not in below_shared]
+
+
+def running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def open_fds() -> set[str]:
@@ -197,3 +216,27 @@ def test_in_a_kernel_the_notebook_tensor_is_inherited_and_no_process_stays() -> 
     assert result_of(outputs[3]) == f"('anonymous', {last})", outputs[3]
     # No launch's helper is left: the kernel's only child is its shared helper (%load_ext starts it).
     assert result_of(outputs[4]) == "[]", outputs[4]
+
+
+def test_the_kernel_killed_mid_launch_takes_the_launch_helper_and_its_ranks_with_it(tmp_path: Path) -> None:
+    manager, client = start_repo_kernel(ACCELNB_SYNTHETIC_GPUS=None)
+    try:
+        client.execute("import torch, accelnb\nfrom tests.test_payload_delivery import say_where_then_block\n"
+                       f"accelnb.launch(say_where_then_block, (torch.ones({BIG // 4}), {str(tmp_path)!r}), "
+                       "num_processes=2, quiet=True)")
+        deadline = time.monotonic() + 120
+        while len(list(tmp_path.glob("[0-9]*"))) < 2:  # both ranks hold the inherited tensor
+            assert time.monotonic() < deadline, "the ranks did not start"
+            time.sleep(0.05)
+        pids = {int(n) for path in tmp_path.glob("[0-9]*") for n in path.read_text().split()}
+        helper = psutil.Process(next(iter(pids - {int(p.name) for p in tmp_path.glob("[0-9]*")})))
+        kernel = psutil.Process(helper.ppid())
+        processes = [psutil.Process(pid) for pid in pids]
+        kernel.kill()
+        deadline = time.monotonic() + 10
+        while alive := [p for p in processes if running(p)]:  # zombies count as gone
+            assert time.monotonic() < deadline, f"still running 10 s after the kernel was killed: {alive}"
+            time.sleep(0.01)
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
