@@ -15,8 +15,8 @@ shows what a launch with the same options would run, without starting anything.
 Every keyword is an option described once in :mod:`accelnb.options`. This module is the
 composition root: it resolves the picker's default selection (so the planner stays pure), wires
 the notebook's displays into the engine, and orders the work so that bad input fails before
-anything starts: check the options, pickle the call (raises naming an unpicklable argument),
-plan (raises on a selection that does not fit the GPUs), read the thread budget, open the
+anything starts: check the options, plan (raises on a selection that does not fit the GPUs),
+read the thread budget, pickle the call (raises naming an unpicklable argument), open the
 TensorBoard log of ``log_dir=`` (raises if tensorboard is not installed), bind the rendezvous
 port (raises if a requested one is taken), and only then fork workers from the clean helper
 process (or, to hand a big payload down without copying it, from a helper forked from the kernel

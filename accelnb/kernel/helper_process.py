@@ -30,6 +30,10 @@ the kernel frees afterwards stays allocated for as long as the fork lives, so th
 bridge: ``helper_client.shared_helper`` replaces it by a spawned helper, started in the
 background once the bridge has served its first launch, as soon as that one is ready and the
 bridge has no worker left.
+
+The same fork serves a second purpose: a launch whose arguments are big forks a helper of its
+own, right after packing them, so that its ranks inherit them instead of reading a copy
+(``payload_delivery``). ``fork_is_safe`` is the condition both share.
 """
 
 from __future__ import annotations

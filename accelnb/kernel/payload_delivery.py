@@ -17,8 +17,7 @@ is big: the launch gets a helper of its own, forked from the kernel *after* the 
 packed. The workers it forks share the kernel's pages copy-on-write, and the call message
 carries only a token (``wire/inherited_payload.py``). But every fork copies the page tables of
 the whole kernel, once for the helper and once per worker, and the helper is made and ended per
-launch.
-Whole launches of 2 ranks, medians of 7, idle machine (fork / memfd, ms):
+launch. Whole launches of 2 ranks, medians of 7, idle machine (fork / memfd, ms):
 
     payload MiB (kernel 0.3 GiB)    8: 48 / 35    64: 48 / 55    128: 57 / 76    256: 59 / 129
     64 MiB payload, kernel of 2.3 GiB: 193 / 54;  of 4.4 GiB: 261 / 63
@@ -54,6 +53,7 @@ MEMFD_SECONDS_PER_GIB = 0.38
 FORK_EXTRA_SECONDS = 0.005
 FORK_SECONDS_PER_GIB_OF_KERNEL = 0.017
 GIB = 1 << 30
+
 
 @dataclass(frozen=True)
 class Delivery:
@@ -117,10 +117,6 @@ class LaunchHelper:
             self.close()
             raise
         return self._helper
-
-    @property
-    def pid(self) -> int | None:
-        return self._helper.pid if self._helper is not None else None
 
     def close(self) -> None:
         """End it (it kills any worker still running) and reap it. Idempotent."""
