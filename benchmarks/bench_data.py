@@ -25,8 +25,10 @@ Cases (medians of ``--repeats`` runs, after one warm-up launch that starts accel
     next returns it (timed), so the time is the bring-back plus one session call (~2 ms). The
     kernel then reads every page of the result (``sum()``) and its RSS is taken.
 
-On this project's machines (small VMs) the first touch of fresh memory sometimes costs 1-4× more
-than usual, at random, for memcpy and accelnb alike: compare runs, not single figures.
+On this project's machines (Firecracker VMs whose balloon reports freed pages to the host) the
+first touch of memory the guest freed a while ago costs up to 10× more: a bare ``pwrite`` of
+1 GiB into a memfd took 2.8 s, then 0.29 s on the next seven tries. Any case that needs fresh
+memory (memcpy, the memfd copy, bring-back) is bimodal at 1 GiB; a fork needs none.
 
 Peak RSS is this process's high-water mark (``ru_maxrss``) minus its RSS before the tensor
 existed; "after" is the RSS with the brought-back tensor alive and fully read.
@@ -44,6 +46,7 @@ import json
 import os
 import platform
 import resource
+import signal
 import socket
 import statistics
 import subprocess
@@ -164,6 +167,7 @@ def run_case(case: str, size_mib: int, ranks: int, repeats: int) -> dict[str, An
 
 
 # ── the parent: cases in fresh processes, one table ─────────────────────────────────────────
+CASE_TIMEOUT_S = 300
 CASES = ("memcpy", "accelerate-in", "accelnb-in", "accelnb-in-memfd", "accelnb-out")
 
 
@@ -172,7 +176,17 @@ def spawn_case(case: str, size: int, ranks: int, repeats: int) -> dict[str, Any]
     env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO_ROOT, env.get("PYTHONPATH")) if p)
     command = [sys.executable, __file__, "--case", case, "--sizes", str(size), "--ranks", str(ranks),
                "--repeats", str(repeats)]
-    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, check=False)
+    # A case that hangs (Accelerate's ranks once waited forever in their group's set-up) is
+    # ended with everything it forked, and shows as failed in the table.
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env,
+                               start_new_session=True)
+    try:
+        stdout, _ = process.communicate(timeout=CASE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
+        return {"error": f"hung: no result within {CASE_TIMEOUT_S} s"}
+    done = subprocess.CompletedProcess(command, process.returncode, stdout)
     try:
         return dict(json.loads(done.stdout.decode().strip().splitlines()[-1]))
     except (IndexError, json.JSONDecodeError):
@@ -261,7 +275,9 @@ def main() -> None:
             f"(medians of {opts.repeats}), float32 CPU tensors, gloo. Targets: in ≤ 1.5× "
             "Accelerate, out ≤ 3× memcpy, RSS after out ≤ 1.1× the data. \"accelnb in\" is what a "
             "launch does (it inherits a big payload by fork where that is cheaper and safe); \"memfd "
-            "only\" is the way of a session's calls and of a kernel that initialised CUDA.\n\n"
+            "only\" is the way of a session's calls and of a kernel that initialised CUDA. Fresh memory "
+            "costs up to 10× more at random on these VMs (see the script's docstring), so the "
+            "1 GiB memcpy, memfd and bring-back figures vary from run to run.\n\n"
             + text + "\n")
 
 
