@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from accelnb.kernel.helper_process import start_method
-from tests.conftest import error_of, run_notebook, stream_text
+from tests.conftest import error_of, result_of, run_notebook, stream_text
 
 SET_UP = """
 import json, os, psutil, torch, accelnb
@@ -99,3 +99,17 @@ def test_a_kernel_whose_cuda_is_initialised_never_forks(monkeypatch: pytest.Monk
     assert start_method() == "fork"
     monkeypatch.setenv("ACCELNB_HELPER_START", "auto")
     assert start_method() == "spawn"  # not in a kernel: a script pays for import torch anyway
+
+
+def test_a_kernel_that_ran_a_parallel_op_forks_a_helper_whose_ranks_can_use_threads() -> None:
+    """libgomp's pool of the kernel is ended before the fork (``openmp_pool``): without that, a
+    rank's first matmul with two threads waited forever for the pool's threads."""
+    outputs = run_notebook([
+        "import torch, accelnb\ntorch.set_num_threads(2)\na = torch.randn(1000, 1000)\n(a @ a).sum().item() != 0",
+        ("def matmul_with_two_threads():\n    import torch\n    torch.set_num_threads(2)\n"
+         "    b = torch.ones(1000, 1000)\n    return (b @ b)[0, 0].item(), torch.get_num_threads()\n"
+         "accelnb.notebook_launcher(matmul_with_two_threads, num_processes=1, quiet=True, timeout=60)"),
+        "from accelnb.kernel import helper_client as hc\nhc._shared.method, (a @ a).sum().item() != 0",
+    ])
+    assert result_of(outputs[1]) == "(1000.0, 2)", outputs[1]
+    assert result_of(outputs[2]) == "('fork', True)", outputs[2]  # a bridge, and the kernel's ops still run

@@ -165,6 +165,29 @@ def test_shared_memory_where_a_fork_does_not_pay_or_is_not_safe(why: str, monkey
     assert {v[2] for v in values.values()} == {running_helper_pid()}
 
 
+def matmul_with_two_threads(x: torch.Tensor) -> tuple[float, int]:
+    torch.set_num_threads(2)
+    b = torch.ones(1000, 1000)
+    return (b @ b)[0, 0].item() + float(x[0]), torch.get_num_threads()
+
+
+@pytest.mark.usefixtures("nothing_left")
+def test_ranks_forked_after_the_kernel_ran_a_parallel_op_can_use_threads() -> None:
+    """The kernel's OpenMP pool is ended before the fork (``kernel/openmp_pool.py``); without that
+    this rank's matmul waited forever for threads its fork did not copy."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a = torch.randn(1000, 1000)
+        assert (a @ a).abs().sum().item() > 0  # this thread now has a pool of OpenMP threads
+        values = accelnb.launch(matmul_with_two_threads, (torch.zeros(BIG // 4),), num_processes=1,
+                                quiet=True, timeout=60).values
+        assert values == {0: (1000.0, 2)}
+        assert (a @ a).abs().sum().item() > 0  # and the kernel starts a new pool for its next op
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.usefixtures("nothing_left")
 def test_a_rank_writing_into_an_inherited_argument_changes_nothing_for_the_others() -> None:
     x = torch.zeros(BIG // 4)

@@ -12,7 +12,9 @@ against Accelerate's 0.3 s, which forks the kernel).
 milliseconds. It is only chosen when it is safe:
 
 - CUDA is not initialised in the kernel (a forked CUDA context is unusable: "Cannot
-  re-initialize CUDA in forked subprocess"). The helper is forked before any worker exists, and
+  re-initialize CUDA in forked subprocess"), and GNU OpenMP's thread pool can be ended right
+  before the fork (a copied pool has no threads, and the ranks' parallel ops would wait for
+  them forever: ``openmp_pool``). The helper is forked before any worker exists, and
   once forked it never needs the kernel again, so a kernel that initialises CUDA *later* is fine;
 - we run inside an IPython kernel, where the wait is felt (a script pays for ``import torch``
   itself anyway), and the user has not asked otherwise (``ACCELNB_HELPER_START=spawn``).
@@ -48,6 +50,9 @@ import traceback
 import warnings
 from typing import IO, Literal, NoReturn
 
+from accelnb.errors import WorkerStartError
+from accelnb.kernel import openmp_pool
+
 StartMethod = Literal["fork", "spawn"]
 START_METHOD_VARIABLE = "ACCELNB_HELPER_START"  # "fork", "spawn" or "auto" (the default)
 HELPER_MODULE = "accelnb.worker.helper"  # named, not imported: it runs on the worker side
@@ -73,7 +78,8 @@ def fork_is_safe() -> bool:
     if os.environ.get(START_METHOD_VARIABLE, "auto").strip().lower() == "spawn" or not hasattr(os, "fork"):
         return False
     torch = sys.modules.get("torch")
-    return torch is not None and not torch.cuda.is_initialized()
+    # An OpenMP pool that cannot be ended before the fork would hang the ranks' parallel regions.
+    return torch is not None and not torch.cuda.is_initialized() and openmp_pool.releasable()
 
 
 def _in_ipython_kernel() -> bool:
@@ -100,6 +106,10 @@ class ForkedHelper:
     """A helper forked from this process: the parts of ``subprocess.Popen`` the client uses."""
 
     def __init__(self, sock_fd: int) -> None:
+        if not openmp_pool.release():  # the pool's threads would not exist in the child
+            raise WorkerStartError(
+                "accelnb could not end this kernel's OpenMP threads before forking its helper, and a "
+                "forked rank would hang in its first parallel op. Set ACCELNB_HELPER_START=spawn.")
         stderr_r, stderr_w = os.pipe()
         with warnings.catch_warnings():  # Python 3.12+ warns that forking a threaded process
             warnings.simplefilter("ignore", DeprecationWarning)  # may deadlock; see _become_helper
