@@ -17,7 +17,7 @@ typecheck: setup
 	.venv/bin/mypy
 
 test: setup lint typecheck
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25  # the slowest tests, to keep `make test` near 12 minutes
 
 soak: setup
 	$(PY) -m pytest -q -m slow tests -s
