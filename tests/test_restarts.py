@@ -136,6 +136,28 @@ def test_restart_delay_waits_between_attempts_and_timeout_stops_restarts_it_cann
                restart_delay=60, timeout=30)
 
 
+def test_stop_during_the_restart_delay_makes_no_further_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
+    from accelnb.kernel import attempts
+
+    class StopPressedAtTheWait:  # attempts' clock: the stop button is pressed as the wait begins
+        monotonic, time = staticmethod(time.monotonic), staticmethod(time.time)
+
+        @staticmethod
+        def sleep(seconds: float) -> None:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(seconds)
+
+    monkeypatch.setattr(attempts, "time", StopPressedAtTheWait)
+    started = time.monotonic()
+    with pytest.raises(RunInterrupted, match="while it waited to restart it \\(after attempt 1 failed\\); no worker "
+                                             "is left, and no further attempt is made"):
+        launch(rank_1_dies_on_the_first_attempt, num_processes=2, quiet=True, max_restarts=3, restart_delay=60)
+    assert time.monotonic() - started < 30  # the 60 s wait was cut short
+    assert worker_processes() == []
+    latest = accelnb.last_result()
+    assert latest is not None and [(a.index, a.ending) for a in latest.attempts] == [(0, "failed")]
+
+
 @pytest.mark.parametrize(("given", "message"), [
     ({"max_restarts": -1}, "max_restarts must be 0 or more, got -1."),
     ({"max_restarts": 1.5}, "max_restarts must be an integer, got 1.5."),
