@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import signal
 import time
 from pathlib import Path
@@ -118,7 +119,9 @@ def nothing_left() -> object:
     processes, fds = {p.pid for p in children_but_the_shared_helper()}, open_fds()
     yield None
     assert [p for p in children_but_the_shared_helper() if p.pid not in processes] == []
-    assert open_fds() == fds
+    # New fds of the kinds a launch opens; others come and go with this process's other work
+    # (an IPython shell of an earlier test closing its history database).
+    assert [fd for fd in open_fds() - fds if re.search(r"-> (socket|pipe|anon_inode|/memfd):", fd)] == []
 
 
 # ── tests ───────────────────────────────────────────────────────────────────────────────────
