@@ -145,16 +145,22 @@ def shows_running(message: Message) -> bool:
 def kernel() -> Iterator[Kernel]:
     manager, client = start_repo_kernel(ACCELNB_SYNTHETIC_GPUS=None)
     session = Kernel(client)
+    kernel_pid = manager.provisioner.pid if manager.provisioner is not None else None
+    below_kernel: list[psutil.Process] = []
     try:
         yield session
     finally:
+        # Whatever runs below the kernel now (its helper, a forked bridge's spawned successor)
+        # must go with it: looked up before the kernel dies and its children are re-parented.
+        below_kernel = _live_children(kernel_pid) if kernel_pid is not None else []
         client.stop_channels()
         manager.shutdown_kernel(now=True)
-    if session.helper_pid is not None:  # the helper goes with its kernel
-        deadline = time.monotonic() + 10
-        while _alive(session.helper_pid) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert not _alive(session.helper_pid), "the worker helper outlived its kernel"
+    if session.helper_pid is not None:  # it launched: its shared helper runs until the kernel goes
+        assert below_kernel, "no helper found below the kernel"
+    deadline = time.monotonic() + 10
+    while any(_alive(p.pid) for p in below_kernel) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not [p for p in below_kernel if _alive(p.pid)], "a process of accelnb's outlived its kernel"
 
 
 def _alive(pid: int) -> bool:
