@@ -186,11 +186,10 @@ def spawn_case(case: str, size: int, ranks: int, repeats: int) -> dict[str, Any]
         os.killpg(process.pid, signal.SIGKILL)
         process.communicate()
         return {"error": f"hung: no result within {CASE_TIMEOUT_S} s"}
-    done = subprocess.CompletedProcess(command, process.returncode, stdout)
     try:
-        return dict(json.loads(done.stdout.decode().strip().splitlines()[-1]))
+        return dict(json.loads(stdout.decode().strip().splitlines()[-1]))
     except (IndexError, json.JSONDecodeError):
-        return {"error": f"exit {done.returncode}"}
+        return {"error": f"exit {process.returncode}"}
 
 
 def median(values: list[float] | None) -> float | None:

@@ -6,6 +6,7 @@ import os
 import signal
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,3 +112,18 @@ def stream_text(outputs: list[Any], name: str = "stdout") -> str:
 
 def error_of(outputs: list[Any]) -> Any | None:
     return next((o for o in outputs if o["output_type"] == "error"), None)
+
+
+@dataclass
+class InterruptWhenRunning:
+    """A display's wait hook that sends this process SIGINT once every rank runs (Ctrl-C)."""
+
+    fired: bool = False
+
+    def __call__(self) -> None:
+        from accelnb.kernel import run_state
+
+        run = run_state.current_run()
+        if not self.fired and run is not None and all(r.phase == "running" for r in run.ranks):
+            self.fired = True
+            os.kill(os.getpid(), signal.SIGINT)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
-from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -21,7 +19,7 @@ import accelnb
 from accelnb.kernel import run_state
 from accelnb.kernel.helper_client import running_helper_pid
 from accelnb.wire.channel import INLINE_LIMIT_BYTES
-from tests.conftest import run_notebook, stream_text, worker_processes
+from tests.conftest import InterruptWhenRunning, run_notebook, stream_text, worker_processes
 
 BIG = 256 << 20  # bytes: the issue's size, and the most a test here may hold
 SHARED = 4 * INLINE_LIMIT_BYTES  # big enough to go through a memfd, small enough to be quick
@@ -161,23 +159,10 @@ def test_nothing_is_left_behind_after_a_failure() -> None:
     assert leftovers() == before
 
 
-@dataclass
-class _InterruptWhenRunning:
-    """A display's wait hook that sends the kernel SIGINT once every rank runs (Ctrl-C)."""
-
-    fired: bool = False
-
-    def __call__(self) -> None:
-        run = run_state.current_run()
-        if not self.fired and run is not None and all(r.phase == "running" for r in run.ranks):
-            self.fired = True
-            os.kill(os.getpid(), signal.SIGINT)
-
-
 def test_nothing_is_left_behind_after_an_interrupt() -> None:
     forget_last_result()
     before = leftovers()
-    remove_hook = run_state.add_wait_hook(_InterruptWhenRunning())
+    remove_hook = run_state.add_wait_hook(InterruptWhenRunning())
     try:
         with pytest.raises(KeyboardInterrupt):
             accelnb.launch(block_forever, (torch.ones(SHARED // 4),), num_processes=2, quiet=True)

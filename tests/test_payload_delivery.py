@@ -28,8 +28,7 @@ from accelnb.kernel.helper_client import running_helper_pid
 from accelnb.kernel.payload_delivery import inherit_worth_it
 from accelnb.wire.buffers import dump
 from accelnb.wire.inherited_payload import inherited
-from tests.conftest import live_descendants, result_of, run_notebook, start_repo_kernel
-from tests.test_data_plane import _InterruptWhenRunning
+from tests.conftest import InterruptWhenRunning, live_descendants, result_of, run_notebook, start_repo_kernel
 
 BIG = 256 << 20  # bytes
 MIB = 1 << 20
@@ -228,7 +227,7 @@ def test_nothing_is_left_after_a_failure_with_an_inherited_argument() -> None:
 
 @pytest.mark.usefixtures("nothing_left", "small_kernel")
 def test_nothing_is_left_after_an_interrupt_with_an_inherited_argument() -> None:
-    remove_hook = accelnb.kernel.run_state.add_wait_hook(_InterruptWhenRunning())
+    remove_hook = accelnb.kernel.run_state.add_wait_hook(InterruptWhenRunning())
     try:
         with pytest.raises(KeyboardInterrupt):
             accelnb.launch(block_forever, (torch.ones(BIG // 4),), num_processes=2, quiet=True)
