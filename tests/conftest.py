@@ -1,8 +1,10 @@
-"""Shared fixtures: leftover-process checks and a real Jupyter kernel runner."""
+"""Shared fixtures: leftover-process checks and a real Jupyter kernel runner; the versions resolved."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import os
+import platform
 import signal
 import time
 from collections.abc import Iterator
@@ -27,6 +29,33 @@ REPO = Path(__file__).resolve().parents[1]
 # never installs the handler that raises KeyboardInterrupt: put it back, so every way of running
 # the suite tests the same thing.
 signal.signal(signal.SIGINT, signal.default_int_handler)
+
+# Printed at the top of every run (``-q`` included), so that a failure can be traced to a release.
+RESOLVED_PACKAGES = ("torch", "cloudpickle", "ipykernel", "ipython", "jupyter_client", "jupyterlab", "ipywidgets",
+                     "nbclient", "nbval", "accelerate", "transformers", "lightning", "ray", "tensorboard", "wandb",
+                     "playwright", "numpy", "pytest")
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    versions = []
+    for name in RESOLVED_PACKAGES:
+        try:
+            versions.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            versions.append(f"{name} (not installed)")
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"resolved: Python {platform.python_version()}, " + ", ".join(versions))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    """Keeps the test's own outcome on the item (``item.report_call``), for fixtures that clean up
+    differently after a failure."""
+    report = yield
+    if report.when == "call":
+        item.report_call = report  # type: ignore[attr-defined]
+    return report
 
 
 def worker_processes() -> list[psutil.Process]:

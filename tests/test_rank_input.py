@@ -121,18 +121,39 @@ def _parent(process: psutil.Process) -> int | None:
         return None
 
 
-@pytest.fixture(scope="module")
-def kernel() -> Iterator[Kernel]:
+def _ready_kernel() -> Kernel:
     manager, client = start_repo_kernel(ACCELNB_SYNTHETIC_GPUS=None)
     session = Kernel(manager, client)
+    msg_id = session.execute(SETUP)
+    assert session.finish(msg_id, timeout=120)["content"]["status"] == "ok"
+    session.kernel_pid = json.loads(session.stream(msg_id))["kernel"]
+    return session
+
+
+def _shut_down(session: Kernel) -> None:
+    session.client.stop_channels()
+    session.manager.shutdown_kernel(now=True)
+
+
+@pytest.fixture(scope="module")
+def kernels() -> Iterator[list[Kernel]]:
+    """The module's kernel, in a list so that a test that failed can have it replaced."""
+    held = [_ready_kernel()]
     try:
-        msg_id = session.execute(SETUP)
-        assert session.finish(msg_id, timeout=120)["content"]["status"] == "ok"
-        session.kernel_pid = json.loads(session.stream(msg_id))["kernel"]
-        yield session
+        yield held
     finally:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
+        _shut_down(held[0])
+
+
+@pytest.fixture
+def kernel(kernels: list[Kernel], request: pytest.FixtureRequest) -> Iterator[Kernel]:
+    """One kernel for the module; after a failed test, a fresh one: the failed cell may still sit
+    at a prompt, and every later test would wait out its timeout behind it."""
+    yield kernels[0]
+    report = getattr(request.node, "report_call", None)
+    if report is None or report.failed:
+        _shut_down(kernels[0])
+        kernels[0] = _ready_kernel()
 
 
 @pytest.fixture

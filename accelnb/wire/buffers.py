@@ -4,7 +4,8 @@
 copying it: a CPU torch tensor reduces to a rebuild from a :class:`pickle.PickleBuffer` over its
 storage's bytes (plus dtype, shape, stride, offset, ``requires_grad``; a ``Parameter`` stays a
 ``Parameter``, views of one storage stay views of one storage), numpy arrays and anything else
-with protocol-5 out-of-band buffers give theirs. The result, a :class:`Packed`, holds the pickle
+with protocol-5 out-of-band buffers give theirs. Code objects keep their file name
+(``wire/code_pickling.py``). The result, a :class:`Packed`, holds the pickle
 and those buffers; pickled again inside a message by ``wire/channel.py``, its buffers are written
 once into shared memory (``wire/shared_memory.py``) and every receiver maps the same pages.
 :func:`load` rebuilds tensors and arrays *over* the buffers it is given (``torch.frombuffer``,
@@ -44,9 +45,12 @@ import ctypes
 import io
 import pickle
 import sys
+import types
 from typing import Any
 
 import cloudpickle
+
+from accelnb.wire.code_pickling import reduce_code
 
 
 class Packed:
@@ -111,6 +115,10 @@ class _BufferPickler(cloudpickle.Pickler):
         self._storages: dict[tuple[int, int], _StorageBytes] = {}
 
     def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is types.CodeType:  # keeps its file name, which cloudpickle 3.1.3 drops
+            reduced_code = reduce_code(obj)
+            if reduced_code is not None:
+                return reduced_code
         torch = sys.modules.get("torch")  # no tensor can exist before torch is imported
         if torch is not None and isinstance(obj, torch.Tensor):
             reduced = self._reduce_tensor(torch, obj)

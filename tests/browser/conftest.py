@@ -177,14 +177,6 @@ def page(browser: Browser, lab_server: LabServer, request: pytest.FixtureRequest
         lab_server.shut_down_kernels()
 
 
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
-    report = yield
-    if report.when == "call":
-        item.report_call = report  # type: ignore[attr-defined]  # read by the page fixture
-    return report
-
-
 def _free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
