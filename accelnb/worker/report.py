@@ -94,11 +94,16 @@ def report(metrics: Mapping[str, Any] | None = None, /, *, step: int | None = No
 
 
 def flush() -> None:
-    """Send what was reported since the last flush (the worker's flusher thread calls this)."""
-    if _writer is None or not (_pending or _bars):
+    """Send what was reported since the last flush; returns once it is sent, including what
+    another thread's flush had already taken (the worker's flusher thread calls this too)."""
+    if _writer is None:
         return
-    # The flusher thread and the worker's end-of-call flush may race: one drains at a time, and
-    # batches leave in the order they were drained.
+    # The flusher thread and the worker's end-of-call (or SIGTERM) flush may race: one drains at
+    # a time, and batches leave in the order they were drained. The check for "nothing pending"
+    # is made under the lock: made before it, a flush finding the queue emptied by the flusher
+    # thread would return while that thread's batch is still being sent, and the worker, thinking
+    # everything went, would send its result and exit with the batch unsent (a failed attempt's
+    # metrics came back empty, once in a full test run).
     with _flush_lock:
         bars = _changed_bars() if _bars else []
         if not _pending and not bars:
