@@ -27,15 +27,15 @@ from accelnb.errors import (
     UnpicklableError,
     WorkerStartError,
 )
-from accelnb.kernel.doctor import doctor
-from accelnb.kernel.doctor_report import Check, DoctorReport
-from accelnb.kernel.helper_client import prewarm
-from accelnb.kernel.inventory import GpuInfo, Inventory, read_inventory, synthetic_inventory
-from accelnb.kernel.launch_result import LaunchResult
-from accelnb.kernel.live_stacks import stacks
-from accelnb.kernel.metrics_history import MetricHistory
-from accelnb.kernel.planning import LaunchPlan, RankSpec
-from accelnb.kernel.selection import Selection, current_selection, set_selection
+from accelnb.kernel.display.metrics_history import MetricHistory
+from accelnb.kernel.doctor.checks import doctor
+from accelnb.kernel.doctor.report import Check, DoctorReport
+from accelnb.kernel.helper.client import prewarm
+from accelnb.kernel.planning.inventory import GpuInfo, Inventory, read_inventory, synthetic_inventory
+from accelnb.kernel.planning.rank_plan import LaunchPlan, RankSpec
+from accelnb.kernel.planning.selection import Selection, current_selection, set_selection
+from accelnb.kernel.run.launch_result import LaunchResult
+from accelnb.kernel.stacks.live import stacks
 from accelnb.launcher import last_result, launch, notebook_launcher, plan
 from accelnb.session import Session
 from accelnb.worker.accelerate_tracker import AccelerateTracker

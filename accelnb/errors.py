@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal
 
 if TYPE_CHECKING:
-    from accelnb.kernel.metrics_history import MetricHistory
+    from accelnb.kernel.display.metrics_history import MetricHistory
     from accelnb.wire.buffers import Packed
 
 

@@ -7,7 +7,7 @@
     >>> notebook_launcher(train, args=(1e-3,), num_processes=2)     # doctest: +SKIP
     (0, 0.001)
 
-``launch`` returns a :class:`~accelnb.kernel.launch_result.LaunchResult` with every rank's value, the
+``launch`` returns a :class:`~accelnb.kernel.run.launch_result.LaunchResult` with every rank's value, the
 metric history and the output; ``notebook_launcher`` returns rank 0's value (its first three
 parameters match Accelerate's ``notebook_launcher``, so it is a drop-in replacement). ``plan``
 shows what a launch with the same options would run, without starting anything.
@@ -20,8 +20,8 @@ read the thread budget, pickle the call (raises naming an unpicklable argument),
 TensorBoard log of ``log_dir=`` (raises if tensorboard is not installed), bind the rendezvous
 port (raises if a requested one is taken), and only then fork workers from the clean helper
 process (or, to hand a big payload down without copying it, from a helper forked from the kernel
-for this launch: :mod:`accelnb.kernel.payload_delivery`). With ``max_restarts=`` that start, run
-and stop is repeated by :mod:`accelnb.kernel.attempts` when a rank fails.
+for this launch: :mod:`accelnb.kernel.helper.payload_delivery`). With ``max_restarts=`` that start, run
+and stop is repeated by :mod:`accelnb.kernel.run.attempts` when a rank fails.
 """
 
 from __future__ import annotations
@@ -33,21 +33,21 @@ from typing import TYPE_CHECKING, Any
 
 from accelnb.cluster import ClusterRequest, cluster_backend
 from accelnb.errors import LaunchConfigError
-from accelnb.kernel import planning
-from accelnb.kernel.accelerate_config import AccelerateConfig, merge_placement, read_accelerate_config
-from accelnb.kernel.attempts import run_attempts
-from accelnb.kernel.helper_client import HelperSource, shared_helper
-from accelnb.kernel.inventory import read_inventory
-from accelnb.kernel.launch_result import LaunchResult
-from accelnb.kernel.payload import pack_call
-from accelnb.kernel.payload_delivery import payload_delivery
-from accelnb.kernel.preflight import preflight
-from accelnb.kernel.rank_group import RankGroup
-from accelnb.kernel.runs import AttemptSink, MetricRoute, MetricsView, last_result, start_workers
-from accelnb.kernel.selection import current_selection
-from accelnb.kernel.supervisor import WorkerGroup
-from accelnb.kernel.tensorboard_log import TensorBoardLog
-from accelnb.kernel.worker_specs import threads_per_rank
+from accelnb.kernel.display.tensorboard_log import TensorBoardLog
+from accelnb.kernel.doctor.preflight import preflight
+from accelnb.kernel.helper.client import HelperSource, shared_helper
+from accelnb.kernel.helper.payload import pack_call
+from accelnb.kernel.helper.payload_delivery import payload_delivery
+from accelnb.kernel.planning import rank_plan
+from accelnb.kernel.planning.accelerate_config import AccelerateConfig, merge_placement, read_accelerate_config
+from accelnb.kernel.planning.inventory import read_inventory
+from accelnb.kernel.planning.selection import current_selection
+from accelnb.kernel.planning.worker_specs import threads_per_rank
+from accelnb.kernel.run.attempts import run_attempts
+from accelnb.kernel.run.engine import AttemptSink, MetricRoute, MetricsView, last_result, start_workers
+from accelnb.kernel.run.launch_result import LaunchResult
+from accelnb.kernel.run.rank_group import RankGroup
+from accelnb.kernel.run.supervisor import WorkerGroup
 from accelnb.options import (
     LAUNCH_OPTIONS,
     START_OPTIONS,
@@ -169,7 +169,7 @@ def metric_route(options: LaunchOptions, sinks: Sequence[AttemptSink] = ()) -> I
 
 
 @documents_options(StartKeywords)
-def plan(**options: Unpack[StartKeywords]) -> planning.LaunchPlan:
+def plan(**options: Unpack[StartKeywords]) -> rank_plan.LaunchPlan:
     """The ranks a launch with these options would run, as ``launch`` would plan them (the picker's
     selection included), without starting anything: ``print(plan(gpus="0,1").table())``.
 
@@ -186,7 +186,7 @@ def plan(**options: Unpack[StartKeywords]) -> planning.LaunchPlan:
     return plan_launch(chosen)
 
 
-def plan_launch(options: LaunchOptions) -> planning.LaunchPlan:
+def plan_launch(options: LaunchOptions) -> rank_plan.LaunchPlan:
     """Read the Accelerate config file and resolve the picker's default, then hand the pure
     planner plain values; the file's settings join every rank's environment."""
     config = read_accelerate_config(options.config_file) if options.config_file is not None else None
@@ -197,7 +197,7 @@ def plan_launch(options: LaunchOptions) -> planning.LaunchPlan:
         options = replace(options, gpus=placement.gpus, num_processes=placement.num_processes, cpu=placement.cpu)
     resolved = with_picker_default(options)
     try:
-        the_plan = planning.plan(resolved.gpus, resolved.num_processes,
+        the_plan = rank_plan.plan(resolved.gpus, resolved.num_processes,
                                  inventory=resolved.inventory or read_inventory(), cpu=resolved.cpu,
                                  backend=resolved.backend, mixed_precision=resolved.mixed_precision,
                                  gpus_per_rank=resolved.gpus_per_rank)
@@ -218,7 +218,7 @@ def _overridden(config: AccelerateConfig, given: LaunchOptions) -> tuple[str, ..
 
 
 def group_starter(options: LaunchOptions, *, persistent: bool, helpers: HelperSource = shared_helper,
-                  the_plan: planning.LaunchPlan | None = None) -> Callable[[int], RankGroup]:
+                  the_plan: rank_plan.LaunchPlan | None = None) -> Callable[[int], RankGroup]:
     """What starts the ranks of ``options`` (given a restart count), once everything that can be
     checked before anything starts has been: this machine's plan (``the_plan``, if the caller
     made it already), or the cluster backend's checks (Ray installed, a cluster reachable and big
@@ -240,10 +240,10 @@ def check_launch(options: LaunchOptions) -> None:
     group_starter(options, persistent=False)
 
 
-def start_group(the_plan: planning.LaunchPlan, options: LaunchOptions, *, persistent: bool,
+def start_group(the_plan: rank_plan.LaunchPlan, options: LaunchOptions, *, persistent: bool,
                 restart_count: int = 0, helpers: HelperSource = shared_helper) -> WorkerGroup:
     """Fork the workers of ``the_plan``; a bad ``OMP_NUM_THREADS`` or a failed pre-launch check
-    (:mod:`accelnb.kernel.preflight`) fails first, before the port is bound or anything is forked."""
+    (:mod:`accelnb.kernel.doctor.preflight`) fails first, before the port is bound or anything is forked."""
     threads_per_rank(len(the_plan.ranks))
     if restart_count == 0:  # a restart runs on the machine the first attempt was judged on
         preflight(the_plan)

@@ -53,10 +53,10 @@ from dataclasses import Field, dataclass, field, fields, replace
 from typing import Any, Literal, TypedDict, TypeVar, get_args
 
 from accelnb.errors import LaunchConfigError
-from accelnb.kernel.inventory import Inventory
-from accelnb.kernel.planning import GpuSpec
-from accelnb.kernel.ports import check_port
-from accelnb.kernel.runs import OutputMode
+from accelnb.kernel.planning.inventory import Inventory
+from accelnb.kernel.planning.ports import check_port
+from accelnb.kernel.planning.rank_plan import GpuSpec
+from accelnb.kernel.run.engine import OutputMode
 
 Scope = Literal["start", "call", "launch", "session"]
 CollectMode = Literal["rank0", "all"]

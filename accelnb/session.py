@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from accelnb.errors import LaunchConfigError
-from accelnb.kernel import planning
-from accelnb.kernel.inventory import Inventory, read_inventory
-from accelnb.kernel.launch_result import LaunchResult
-from accelnb.kernel.live_stacks import DEFAULT_WAIT_S, StackDump
-from accelnb.kernel.payload import pack_call
-from accelnb.kernel.rank_group import RankGroup
-from accelnb.kernel.runs import run_on_group
-from accelnb.kernel.supervisor import WorkerGroup
+from accelnb.kernel.helper.payload import pack_call
+from accelnb.kernel.planning import rank_plan
+from accelnb.kernel.planning.inventory import Inventory, read_inventory
+from accelnb.kernel.run.engine import run_on_group
+from accelnb.kernel.run.launch_result import LaunchResult
+from accelnb.kernel.run.rank_group import RankGroup
+from accelnb.kernel.run.supervisor import WorkerGroup
+from accelnb.kernel.stacks.live import DEFAULT_WAIT_S, StackDump
 from accelnb.launcher import group_starter, metric_route, with_picker_default
 from accelnb.options import (
     SESSION_CALL_OPTIONS,
@@ -98,7 +98,7 @@ class Session:
         self.stop()
 
     @property
-    def plan(self) -> planning.LaunchPlan:
+    def plan(self) -> rank_plan.LaunchPlan:
         return self._group.plan
 
     @property

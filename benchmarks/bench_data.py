@@ -11,7 +11,7 @@ Cases (medians of ``--repeats`` runs, after one warm-up launch that starts accel
 ``accelnb-in``
     ``notebook_launcher(first_element, args=(X,))``: the whole call, helper warm; every rank
     reads one element. Also the same call with no argument, for the launch's own share. Where
-    the payload is big enough (``kernel/payload_delivery.py``), the ranks inherit it from a
+    the payload is big enough (``kernel/helper/payload_delivery.py``), the ranks inherit it from a
     helper forked for the launch.
 ``accelnb-in-memfd``
     The same, with forks ruled out (``ACCELNB_HELPER_START=spawn``): the tensor is copied once

@@ -14,7 +14,7 @@ of its own that has already imported torch, as a notebook's first cell does:
     does the same ``all_reduce``, and leaves the group.
 ``…, spawned helper``
     The same with ``ACCELNB_HELPER_START=spawn``: the helper is a fresh interpreter that imports
-    torch, as before it was forked from the kernel (``accelnb/kernel/helper_process.py``).
+    torch, as before it was forked from the kernel (``accelnb/kernel/helper/fork_or_spawn.py``).
 ``%load_ext → %distributed start``
     One cell takes the time and runs ``%load_ext accelnb`` (which gives the helper a head start);
     the very next cell runs ``%distributed start --procs 2``; a third reads the clock: the time

@@ -19,7 +19,7 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager, start_new_kernel
 
-from accelnb.kernel.helper_client import running_helper_pid
+from accelnb.kernel.helper.client import running_helper_pid
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -150,7 +150,7 @@ class InterruptWhenRunning:
     fired: bool = False
 
     def __call__(self) -> None:
-        from accelnb.kernel import run_state
+        from accelnb.kernel.run import run_state
 
         run = run_state.current_run()
         if not self.fired and run is not None and all(r.phase == "running" for r in run.ranks):

@@ -1,4 +1,4 @@
-"""Which notebook cell sources a call carries to the ranks (``kernel/cell_sources.py``)."""
+"""Which notebook cell sources a call carries to the ranks (``kernel/run/cell_sources.py``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from accelnb.kernel.cell_sources import in_memory_sources
+from accelnb.kernel.run.cell_sources import in_memory_sources
 
 CELLS = {"/tmp/ipykernel_1/a.py": "x = 1\n", "/tmp/ipykernel_1/b.py": "def f():\n    return 2\n"}
 

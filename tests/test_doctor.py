@@ -17,8 +17,8 @@ import pytest
 
 import accelnb
 from accelnb import Check, DoctorReport
-from accelnb.kernel.doctor import MachineFacts, ShmSpace, read_machine_facts, run_checks
-from accelnb.kernel.gpu_health import GpuFacts, GpuHealth
+from accelnb.kernel.doctor.checks import MachineFacts, ShmSpace, read_machine_facts, run_checks
+from accelnb.kernel.doctor.gpu_health import GpuFacts, GpuHealth
 from tests.conftest import error_of, run_notebook, stream_text
 
 MB = 2**20

@@ -24,12 +24,13 @@ import pytest
 
 import accelnb
 from accelnb.errors import HelperDied, RankFailed, RunInterrupted
-from accelnb.kernel import planning, run_state
-from accelnb.kernel.failure_report import build_exception, exit_failure
-from accelnb.kernel.helper_client import running_helper_pid, shared_helper, shutdown_helper
-from accelnb.kernel.inventory import Inventory
-from accelnb.kernel.payload import pack_call
-from accelnb.kernel.runs import run_on_group, start_workers
+from accelnb.kernel.helper.client import running_helper_pid, shared_helper, shutdown_helper
+from accelnb.kernel.helper.payload import pack_call
+from accelnb.kernel.planning import rank_plan
+from accelnb.kernel.planning.inventory import Inventory
+from accelnb.kernel.run import run_state
+from accelnb.kernel.run.engine import run_on_group, start_workers
+from accelnb.kernel.run.failure_report import build_exception, exit_failure
 from accelnb.wire.buffers import Packed
 from tests.conftest import wait_until_no_workers, worker_processes
 
@@ -120,8 +121,8 @@ def orphans() -> Iterator[Orphans]:
         adopted.reap()
 
 
-def cpu_plan() -> planning.LaunchPlan:
-    return planning.plan(None, 2, inventory=Inventory(source="none"), cpu=True)
+def cpu_plan() -> rank_plan.LaunchPlan:
+    return rank_plan.plan(None, 2, inventory=Inventory(source="none"), cpu=True)
 
 
 def run_like_launch(payload: Packed, *, on_step: Callable[[str], None] | None = None,

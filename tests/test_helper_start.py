@@ -15,12 +15,12 @@ from typing import Any
 
 import pytest
 
-from accelnb.kernel.helper_process import start_method
+from accelnb.kernel.helper.fork_or_spawn import start_method
 from tests.conftest import error_of, result_of, run_notebook, stream_text
 
 SET_UP = """
 import json, os, psutil, torch, accelnb
-from accelnb.kernel import helper_client as hc
+from accelnb.kernel.helper import client as hc
 def f():
     import torch.distributed as dist
     t = torch.ones(1); dist.all_reduce(t); return t.item()
@@ -62,7 +62,7 @@ def test_a_kernel_that_imported_torch_forks_its_helper_and_later_hands_over_to_a
 
 def test_a_kernel_without_torch_or_asking_for_spawn_spawns_its_helper() -> None:
     without_torch = run_notebook([
-        "import accelnb, sys\nfrom accelnb.kernel.helper_process import start_method\n"
+        "import accelnb, sys\nfrom accelnb.kernel.helper.fork_or_spawn import start_method\n"
         "print(start_method(), 'torch' in sys.modules)"])
     assert error_of(without_torch[0]) is None
     assert stream_text(without_torch[0]).split() == ["spawn", "False"]
@@ -109,7 +109,7 @@ def test_a_kernel_that_ran_a_parallel_op_forks_a_helper_whose_ranks_can_use_thre
         ("def matmul_with_two_threads():\n    import torch\n    torch.set_num_threads(2)\n"
          "    b = torch.ones(1000, 1000)\n    return (b @ b)[0, 0].item(), torch.get_num_threads()\n"
          "accelnb.notebook_launcher(matmul_with_two_threads, num_processes=1, quiet=True, timeout=60)"),
-        "from accelnb.kernel import helper_client as hc\nhc._shared.method, (a @ a).sum().item() != 0",
+        "from accelnb.kernel.helper import client as hc\nhc._shared.method, (a @ a).sum().item() != 0",
     ])
     assert result_of(outputs[1]) == "(1000.0, 2)", outputs[1]
     assert result_of(outputs[2]) == "('fork', True)", outputs[2]  # a bridge, and the kernel's ops still run

@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
-from accelnb.kernel import run_state
-from accelnb.kernel.inventory import Inventory, synthetic_inventory
+from accelnb.kernel.planning.inventory import Inventory, synthetic_inventory
+from accelnb.kernel.run import run_state
 from accelnb.notebook.lab_bridge import PanelConnection
 from tests.conftest import start_repo_kernel
 
@@ -104,7 +104,7 @@ def kernel() -> Iterator[KernelSession]:
     try:
         session = KernelSession(client)
         session.execute("import accelnb.notebook.lab_bridge as bridge; bridge.register_comm_target(get_ipython())\n"
-                        "from accelnb.kernel import selection, run_state")
+                        "from accelnb.kernel.planning import selection; from accelnb.kernel.run import run_state")
         yield session
     finally:
         client.stop_channels()

@@ -24,8 +24,8 @@ from accelnb import (
     synthetic_inventory,
 )
 from accelnb.errors import LaunchConfigError
-from accelnb.kernel import run_state
-from accelnb.kernel.supervisor import FAILURE_GRACE_S
+from accelnb.kernel.run import run_state
+from accelnb.kernel.run.supervisor import FAILURE_GRACE_S
 from tests.conftest import wait_until_no_workers, worker_processes
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")

@@ -16,8 +16,8 @@ import pytest
 
 import accelnb
 from accelnb import LaunchConfigError, Session
-from accelnb.kernel import run_state
-from accelnb.kernel.stacks import split_stack_dump
+from accelnb.kernel.run import run_state
+from accelnb.kernel.stacks.faulthandler_dumps import split_stack_dump
 from tests.conftest import worker_processes
 
 READY_WAIT_S = 60.0

@@ -23,7 +23,7 @@ import nbformat
 import pytest
 
 from accelnb import LaunchFailed, launch
-from accelnb.kernel.metrics_history import MetricHistory
+from accelnb.kernel.display.metrics_history import MetricHistory
 from accelnb.notebook.metrics_view import LiveMetricsView, TextSurface
 from accelnb.wire.events import MetricBatch, ProgressBatch, ProgressState
 

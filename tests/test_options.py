@@ -18,7 +18,7 @@ import pytest
 
 import accelnb
 from accelnb import LaunchConfigError, Session, launch, notebook_launcher, synthetic_inventory
-from accelnb.kernel.worker_specs import threads_per_rank
+from accelnb.kernel.planning.worker_specs import threads_per_rank
 from accelnb.options import (
     ALL_OPTIONS,
     CALL_OPTIONS,

@@ -12,7 +12,7 @@ import re
 import pytest
 
 from accelnb import last_result, launch
-from accelnb.kernel.output import MAX_BYTES_PER_TICK, TICK_INTERVAL_S, OutputRouter, Stream
+from accelnb.kernel.display.output import MAX_BYTES_PER_TICK, TICK_INTERVAL_S, OutputRouter, Stream
 
 FIVE_MB = 5 * 2**20
 NOTICE = re.compile(r"\[accelnb: skipped (?P<what>[^\]]*?) of rank (?P<rank>\d+) (?P<stream>\w+) to keep the "

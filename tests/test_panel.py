@@ -22,9 +22,10 @@ import ipywidgets as widgets
 import pytest
 
 from accelnb import launch
-from accelnb.kernel import run_state, selection
-from accelnb.kernel.inventory import GpuInfo, GpuProcess, Inventory, synthetic_inventory
-from accelnb.kernel.selection import Selection, clear_selection, current_selection, set_selection
+from accelnb.kernel.planning import selection
+from accelnb.kernel.planning.inventory import GpuInfo, GpuProcess, Inventory, synthetic_inventory
+from accelnb.kernel.planning.selection import Selection, clear_selection, current_selection, set_selection
+from accelnb.kernel.run import run_state
 from accelnb.notebook import kernel_messages
 from accelnb.notebook.panel import Panel, show_panel
 from tests.conftest import wait_until_no_workers, worker_processes

@@ -33,10 +33,10 @@ SETUP = """
 import itertools, json
 from dataclasses import replace
 from accelnb import notebook_launcher
-from accelnb.kernel.inventory import set_inventory_source, synthetic_inventory
+from accelnb.kernel.planning.inventory import set_inventory_source, synthetic_inventory
 from accelnb.notebook.kernel_messages import comm_messages_supported
 from accelnb.notebook.panel import Panel
-from accelnb.kernel.helper_client import shared_helper
+from accelnb.kernel.helper.client import shared_helper
 
 _reads = itertools.count()
 def _moving_memory():  # every read shows different memory use, so every refresh sends an update
@@ -226,7 +226,7 @@ def test_stop_click_ends_a_blocked_run(kernel: Kernel) -> None:
 CONTROL_SETUP = """
 import ipywidgets, json
 from accelnb import notebook_launcher
-from accelnb.kernel import run_state
+from accelnb.kernel.run import run_state
 if "panel" in globals():
     panel.close()  # the last panel closed: the launcher no longer lets comm messages through
 bare_stop = ipywidgets.Button(description="Stop")

@@ -2,7 +2,7 @@
 
 Where forking the kernel is safe (torch imported, CUDA not initialised) and the arguments are
 big, a launch forks a helper of its own from the kernel after packing them, and its ranks see
-the kernel's pages copy-on-write (``kernel/payload_delivery.py``). Each test asks the ranks where
+the kernel's pages copy-on-write (``kernel/helper/payload_delivery.py``). Each test asks the ranks where
 their argument's bytes live, from their own ``/proc/self/maps``: anonymous memory they inherited,
 or accelnb's memfd. Leftovers are checked by pid (the launch's helper and everything below it)
 and by this process's open fds.
@@ -23,9 +23,9 @@ import torch
 
 import accelnb
 from accelnb.errors import RankFailed
-from accelnb.kernel import payload_delivery
-from accelnb.kernel.helper_client import running_helper_pid
-from accelnb.kernel.payload_delivery import inherit_worth_it
+from accelnb.kernel.helper import payload_delivery
+from accelnb.kernel.helper.client import running_helper_pid
+from accelnb.kernel.helper.payload_delivery import inherit_worth_it
 from accelnb.wire.buffers import dump
 from accelnb.wire.inherited_payload import inherited
 from tests.conftest import InterruptWhenRunning, live_descendants, result_of, run_notebook, start_repo_kernel
@@ -186,7 +186,7 @@ def matmul_with_two_threads(x: torch.Tensor) -> tuple[float, int]:
 
 @pytest.mark.usefixtures("nothing_left", "small_kernel")
 def test_ranks_forked_after_the_kernel_ran_a_parallel_op_can_use_threads() -> None:
-    """The kernel's OpenMP pool is ended before the fork (``kernel/openmp_pool.py``); without that
+    """The kernel's OpenMP pool is ended before the fork (``kernel/helper/openmp_pool.py``); without that
     this rank's matmul waited forever for threads its fork did not copy."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -227,7 +227,7 @@ def test_nothing_is_left_after_a_failure_with_an_inherited_argument() -> None:
 
 @pytest.mark.usefixtures("nothing_left", "small_kernel")
 def test_nothing_is_left_after_an_interrupt_with_an_inherited_argument() -> None:
-    remove_hook = accelnb.kernel.run_state.add_wait_hook(InterruptWhenRunning())
+    remove_hook = accelnb.kernel.run.run_state.add_wait_hook(InterruptWhenRunning())
     try:
         with pytest.raises(KeyboardInterrupt):
             accelnb.launch(block_forever, (torch.ones(BIG // 4),), num_processes=2, quiet=True)
@@ -243,7 +243,7 @@ def test_in_a_kernel_the_notebook_tensor_is_inherited_and_no_process_stays() -> 
              "%load_ext accelnb",
              "%%distributed --procs 2\nfrom tests.test_payload_delivery import where_it_lives\n"
              "where_it_lives(X)[:2]",
-             "from accelnb.kernel.helper_client import running_helper_pid\n"
+             "from accelnb.kernel.helper.client import running_helper_pid\n"
              "[c.cmdline() for c in psutil.Process().children() if c.pid != running_helper_pid()]"]
     outputs = run_notebook(cells, timeout=300)
 

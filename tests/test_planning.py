@@ -1,6 +1,6 @@
 """The pure planner: selections in, per-rank specs out (no processes, no GPU needed).
 
-``accelnb.kernel.planning.plan`` takes plain values and an inventory, and reads nothing else; the
+``accelnb.kernel.planning.rank_plan.plan`` takes plain values and an inventory, and reads nothing else; the
 public ``accelnb.plan`` is what a launch plans (options checked, the picker's selection resolved).
 Inventories are injected: synthetic ones, or ones built here with the GPUs a test needs.
 """
@@ -13,9 +13,9 @@ import pytest
 
 import accelnb
 from accelnb import GpuSelectionError, LaunchConfigError, synthetic_inventory
-from accelnb.kernel.inventory import Inventory
-from accelnb.kernel.planning import DEVICE_ENV, plan
-from accelnb.kernel.selection import clear_selection, set_selection
+from accelnb.kernel.planning.inventory import Inventory
+from accelnb.kernel.planning.rank_plan import DEVICE_ENV, plan
+from accelnb.kernel.planning.selection import clear_selection, set_selection
 from accelnb.worker import cell_runner
 
 EIGHT = synthetic_inventory(8)

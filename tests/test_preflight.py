@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from accelnb import LaunchConfigError, Session, launch
-from accelnb.kernel.doctor import MachineFacts, ShmSpace
-from accelnb.kernel.preflight import forget_warnings, read_launch_facts, set_facts_source
+from accelnb.kernel.doctor.checks import MachineFacts, ShmSpace
+from accelnb.kernel.doctor.preflight import forget_warnings, read_launch_facts, set_facts_source
 from tests.conftest import error_of, run_named_cells, stream_text, worker_processes
 
 ROOT = str(Path(__file__).resolve().parent.parent)
@@ -89,7 +89,7 @@ def test_it_reads_no_nvml_and_no_cuda() -> None:
             "from accelnb import synthetic_inventory\n"
             "from accelnb.launcher import plan_launch\n"
             "from accelnb.options import LaunchOptions\n"
-            "from accelnb.kernel.preflight import preflight\n"
+            "from accelnb.kernel.doctor.preflight import preflight\n"
             "preflight(plan_launch(LaunchOptions(num_processes=2, inventory=synthetic_inventory(2))))\n"
             "print('pynvml' in sys.modules, 'torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT,
@@ -100,7 +100,7 @@ def test_it_reads_no_nvml_and_no_cuda() -> None:
 # ── in a real kernel: a GPU held by another process, from an injected inventory ─────────────
 HELD = ("from dataclasses import replace\n"
         "from accelnb import synthetic_inventory, notebook_launcher\n"
-        "from accelnb.kernel.inventory import GpuProcess\n"
+        "from accelnb.kernel.planning.inventory import GpuProcess\n"
         "inv = synthetic_inventory(2)\n"
         "held = replace(inv, gpus=(replace(inv.gpus[0], processes=(GpuProcess(1, 2**30),)), inv.gpus[1]))\n"
         "import os")
@@ -109,7 +109,7 @@ CELLS = {
     "first": "print(sorted(notebook_launcher(os.getpid, num_processes=2, inventory=held, quiet=True, "
              "collect='all') and [0]))",
     "second": "print(notebook_launcher(lambda: 'ran again', num_processes=2, inventory=held, quiet=True))",
-    "fail": ("from accelnb.kernel.preflight import set_facts_source\n"
+    "fail": ("from accelnb.kernel.doctor.preflight import set_facts_source\n"
              "from tests.test_preflight import refusing_loopback\n"
              "set_facts_source(refusing_loopback)"),
     "cell_refused": "%%distributed --procs 2\nprint('ran')",

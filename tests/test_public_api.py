@@ -65,7 +65,7 @@ def test_session_is_the_class_the_magic_uses() -> None:
 def test_import_starts_nothing() -> None:
     code = ("import sys, threading, accelnb; "
             "print(threading.active_count(), 'torch' in sys.modules, 'pynvml' in sys.modules, "
-            "accelnb.kernel.helper_client._shared is None)")
+            "accelnb.kernel.helper.client._shared is None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.split() == ["1", "False", "False", "True"]
 

@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 import accelnb
-from accelnb.kernel import helper_client
+from accelnb.kernel.helper import client as helper_client
 from accelnb.wire.buffers import dump
 from accelnb.wire.channel import MessageReader, encode, send_frame
 from accelnb.wire.events import CallError, CallResult, MetricBatch, RunCall, Shutdown

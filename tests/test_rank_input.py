@@ -109,7 +109,7 @@ class Kernel:
 
     def workers(self) -> list[psutil.Process]:
         """Live processes under the kernel's helpers: a forked helper hands over to a spawned one
-        (``kernel/helper_process.py``), so whichever helper forked them, they are the kernel's
+        (``kernel/helper/fork_or_spawn.py``), so whichever helper forked them, they are the kernel's
         grandchildren."""
         return [p for p in live_descendants(self.kernel_pid) if _parent(p) != self.kernel_pid]
 

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 import accelnb
-from accelnb.kernel.helper_client import shared_helper
+from accelnb.kernel.helper.client import shared_helper
 from accelnb.wire.channel import MessageReader
 from accelnb.wire.events import CallError
 from accelnb.wire.result_pickling import loads_in_kernel

@@ -16,7 +16,7 @@ import pytest
 
 import accelnb
 from accelnb import LaunchConfigError, RankCrashed, RankFailed, RunInterrupted, Session, launch, notebook_launcher
-from accelnb.kernel import run_state
+from accelnb.kernel.run import run_state
 from accelnb.wire.events import MetricBatch
 from tests.conftest import worker_processes
 from tests.restart_targets import always_fails, rank_1_dies_on_the_first_attempt, sleeps_on_the_second_attempt
@@ -137,7 +137,7 @@ def test_restart_delay_waits_between_attempts_and_timeout_stops_restarts_it_cann
 
 
 def test_stop_during_the_restart_delay_makes_no_further_attempt(monkeypatch: pytest.MonkeyPatch) -> None:
-    from accelnb.kernel import attempts
+    from accelnb.kernel.run import attempts
 
     class StopPressedAtTheWait:  # attempts' clock: the stop button is pressed as the wait begins
         monotonic, time = staticmethod(time.monotonic), staticmethod(time.time)
@@ -185,7 +185,7 @@ def test_restart_count_is_0_outside_a_launch() -> None:
 
 
 def test_the_route_keeps_batches_of_each_attempt_apart() -> None:
-    from accelnb.kernel.runs import MetricRoute
+    from accelnb.kernel.run.engine import MetricRoute
 
     got: list[tuple[int, int]] = []
     route = MetricRoute(sinks=[lambda batch, attempt: got.append((batch.rank, attempt))])

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from accelnb.kernel.byte_sizes import describe_limit, human_bytes, parse_byte_size
+from accelnb.kernel.display.byte_sizes import describe_limit, human_bytes, parse_byte_size
 from accelnb.worker.return_budget import (
     DEFAULT_RETURN_LIMIT,
     choose_returns,

@@ -33,7 +33,7 @@ import psutil
 import pytest
 
 import accelnb
-from accelnb.kernel import helper_client as helper_client
+from accelnb.kernel.helper import client as helper_client
 
 sys.path.insert(0, str(Path(__file__).parent / "faults"))
 from faultkit import descendants, report, wait_for_report

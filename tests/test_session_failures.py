@@ -26,8 +26,8 @@ import pytest
 
 from accelnb import LaunchTimeout, RankCrashed, RankFailed
 from accelnb.errors import HelperDied, RunInterrupted
-from accelnb.kernel import run_state
-from accelnb.kernel.helper_client import running_helper_pid
+from accelnb.kernel.helper.client import running_helper_pid
+from accelnb.kernel.run import run_state
 from accelnb.session import Session
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from accelnb import LaunchConfigError, Session
-from accelnb.kernel.inventory import GpuInfo, GpuProcess, Inventory
+from accelnb.kernel.planning.inventory import GpuInfo, GpuProcess, Inventory
 from accelnb.session import _gpu_memory_of
 from tests.conftest import worker_processes
 

@@ -85,7 +85,7 @@ def test_without_tensorboard_log_dir_says_how_to_install_it_before_anything_star
     code = (
         "import sys; sys.modules['tensorboard'] = None\n"
         "import accelnb\n"
-        "from accelnb.kernel import helper_client\n"
+        "from accelnb.kernel.helper import client as helper_client\n"
         "try:\n"
         f"    accelnb.notebook_launcher(print, num_processes=2, log_dir={str(tmp_path / 'run')!r})\n"
         "except accelnb.LaunchConfigError as error:\n"
@@ -103,7 +103,7 @@ def test_without_tensorboard_log_dir_says_how_to_install_it_before_anything_star
 def test_the_install_hint_names_the_extra_that_pyproject_declares() -> None:
     pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
     assert 'tensorboard = ["tensorboard>=' in pyproject
-    from accelnb.kernel.tensorboard_log import INSTALL_HINT
+    from accelnb.kernel.display.tensorboard_log import INSTALL_HINT
 
     assert INSTALL_HINT == "pip install 'accelnb[tensorboard]'"
     assert accelnb.restart_count() == 0

@@ -7,7 +7,7 @@ A backend is a module with two functions over a :class:`ClusterRequest` (plain v
   installed, no cluster is reachable, the cluster cannot hold the ranks), as
   :class:`~accelnb.errors.LaunchConfigError`;
 - ``start(request, persistent=..., restart_count=...)``: the ranks, started, as a
-  :class:`~accelnb.kernel.rank_group.RankGroup`, which the engine (runs, restarts, sessions) drives
+  :class:`~accelnb.kernel.run.rank_group.RankGroup`, which the engine (runs, restarts, sessions) drives
   exactly as it drives ranks forked on this machine.
 
     >>> backend = cluster_backend("ray")                                      # doctest: +SKIP
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from accelnb.errors import LaunchConfigError
-from accelnb.kernel.rank_group import RankGroup
+from accelnb.kernel.run.rank_group import RankGroup
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from accelnb.cluster import ClusterRequest
 from accelnb.errors import LaunchConfigError
-from accelnb.kernel.planning import DEVICE_ENV, LaunchPlan, RankSpec
+from accelnb.kernel.planning.rank_plan import DEVICE_ENV, LaunchPlan, RankSpec
 from accelnb.wire.spec import WorkerSpec
 
 CPUS_PER_RANK = 1.0

@@ -29,8 +29,8 @@ from accelnb.cluster.rank_layout import (
 from accelnb.cluster.ray_connection import connected_ray
 from accelnb.cluster.ray_group import RayRankGroup
 from accelnb.errors import LaunchConfigError, WorkerStartError
-from accelnb.kernel.failure_report import start_interrupted
-from accelnb.kernel.output import OutputRouter, notebook_sink
+from accelnb.kernel.display.output import OutputRouter, notebook_sink
+from accelnb.kernel.run.failure_report import start_interrupted
 from accelnb.worker.ray_rank import RankActor
 
 PLACEMENT_WAIT_S = 120.0  # resources exist but are busy: how long to wait for them

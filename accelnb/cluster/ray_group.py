@@ -1,11 +1,11 @@
 """The ranks of one Ray launch or session: one actor per rank, in one placement group.
 
-:class:`RayRankGroup` is a :class:`~accelnb.kernel.rank_group.RankGroup`: the engine drives it as
+:class:`RayRankGroup` is a :class:`~accelnb.kernel.run.rank_group.RankGroup`: the engine drives it as
 it drives forked workers. Its wait loop keeps one ``events`` poll in flight per actor and
 multiplexes them, and each call's ``run``, with ``ray.wait``; output goes to the
-:class:`~accelnb.kernel.output.OutputRouter` (so rank 0 streams into the launching cell, not into
+:class:`~accelnb.kernel.display.output.OutputRouter` (so rank 0 streams into the launching cell, not into
 whichever cell runs when Ray's log forwarding would print it), metrics to their sink, results and
-errors into the :class:`~accelnb.kernel.call_outcome.CallOutcome`.
+errors into the :class:`~accelnb.kernel.run.call_outcome.CallOutcome`.
 
     >>> group = RayRankGroup(plan, actors, placed, placement_group, router)   # doctest: +SKIP
     >>> group.begin(specs)                                                    # doctest: +SKIP
@@ -32,11 +32,11 @@ from typing import Any
 
 from accelnb.cluster.rank_layout import PlacedActor
 from accelnb.errors import RankFailure
-from accelnb.kernel import run_state
-from accelnb.kernel.call_outcome import CallOutcome, Ending
-from accelnb.kernel.failure_report import actor_lost_failure, exception_failure
-from accelnb.kernel.output import OutputRouter
-from accelnb.kernel.planning import LaunchPlan
+from accelnb.kernel.display.output import OutputRouter
+from accelnb.kernel.planning.rank_plan import LaunchPlan
+from accelnb.kernel.run import run_state
+from accelnb.kernel.run.call_outcome import CallOutcome, Ending
+from accelnb.kernel.run.failure_report import actor_lost_failure, exception_failure
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import CallError, CallResult, Joined, MetricBatch, OutputChunk
 from accelnb.wire.spec import WorkerSpec

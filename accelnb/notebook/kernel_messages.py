@@ -5,9 +5,9 @@ would only be seen after the launch ended. :func:`process_comm_messages` fixes t
 duration of a launch. The panels register it as a launcher wait hook
 (:func:`let_comm_messages_through_runs`, counted: one hook however many panels), so it runs from the
 thread that waits (the kernel's main thread) at the wait hooks' rate,
-:data:`accelnb.kernel.run_state.WAIT_HOOK_RATE_HZ` (twenty times a second)::
+:data:`accelnb.kernel.run.run_state.WAIT_HOOK_RATE_HZ` (twenty times a second)::
 
-    >>> from accelnb.kernel import run_state
+    >>> from accelnb.kernel.run import run_state
     >>> unregister = run_state.add_wait_hook(process_comm_messages)
 
 How, in ipykernel 7: a "shell channel" thread receives every shell message and forwards those
@@ -46,7 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from accelnb.kernel import run_state
+from accelnb.kernel.run import run_state
 
 COMM_MESSAGE_TYPES = frozenset({"comm_open", "comm_msg", "comm_close"})
 MAX_MESSAGES_PER_CALL = 64  # the launcher's wait loop must keep pumping worker output

@@ -2,8 +2,8 @@
 
 ``%load_ext accelnb`` calls :func:`register_comm_target`; from then on the panel (the
 ``accelnb-labextension`` JupyterLab extension) can open a comm to this kernel, show its GPUs,
-write the notebook-wide selection (:mod:`accelnb.kernel.selection`) and follow the run in progress
-(:mod:`accelnb.kernel.run_state`). This module only translates messages; it decides nothing.
+write the notebook-wide selection (:mod:`accelnb.kernel.planning.selection`) and follow the run in progress
+(:mod:`accelnb.kernel.run.run_state`). This module only translates messages; it decides nothing.
 
     >>> register_comm_target(get_ipython())      # what %load_ext accelnb does
     >>> is_registered()
@@ -56,7 +56,7 @@ kernel, which works in kernels where that hook cannot). So a ``stacks`` request 
 during the run; it is served on a thread of its own, because the launch's thread, which handles
 the message, is the one that reads the dumps off the ranks' pipes.
 
-GPU choices are checked by the planner's own rules (:func:`accelnb.kernel.planning.plan`), so the
+GPU choices are checked by the planner's own rules (:func:`accelnb.kernel.planning.rank_plan.plan`), so the
 panel's refusals read exactly as a launch's would.
 
 If the target is not registered (accelnb not loaded), ipykernel closes the panel's comm at
@@ -75,10 +75,11 @@ from typing import TYPE_CHECKING, Any
 
 import comm
 
-from accelnb.kernel import run_state, selection
-from accelnb.kernel.inventory import Inventory, InventorySource, read_inventory
-from accelnb.kernel.live_stacks import DEFAULT_WAIT_S, NO_DUMP
-from accelnb.kernel.planning import plan
+from accelnb.kernel.planning import selection
+from accelnb.kernel.planning.inventory import Inventory, InventorySource, read_inventory
+from accelnb.kernel.planning.rank_plan import plan
+from accelnb.kernel.run import run_state
+from accelnb.kernel.stacks.live import DEFAULT_WAIT_S, NO_DUMP
 from accelnb.notebook.kernel_messages import let_comm_messages_through_runs
 
 if TYPE_CHECKING:

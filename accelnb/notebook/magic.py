@@ -21,7 +21,7 @@ than silently ignored. The flags, their choices and their help are generated fro
 
 The notebook names the cell reads are shipped to every rank by cloudpickle (modules are imported
 there instead), the names it assigns come back from rank 0 (the first of ``--ranks``), and the last result is
-``_distributed`` (a :class:`~accelnb.kernel.launch_result.LaunchResult`, with ``.metrics``).
+``_distributed`` (a :class:`~accelnb.kernel.run.launch_result.LaunchResult`, with ``.metrics``).
 """
 
 from __future__ import annotations
@@ -39,10 +39,10 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from accelnb.errors import LaunchConfigError, UnpicklableError
-from accelnb.kernel.byte_sizes import describe_limit, human_bytes, parse_byte_size
-from accelnb.kernel.doctor import doctor
-from accelnb.kernel.launch_result import LaunchResult
-from accelnb.kernel.payload import check_picklable
+from accelnb.kernel.display.byte_sizes import describe_limit, human_bytes, parse_byte_size
+from accelnb.kernel.doctor.checks import doctor
+from accelnb.kernel.helper.payload import check_picklable
+from accelnb.kernel.run.launch_result import LaunchResult
 from accelnb.launcher import check_launch, launch_with
 from accelnb.options import (
     ALL_OPTIONS,

@@ -10,7 +10,7 @@ the waiting thread (the kernel's main thread, inside the cell)::
 Producers never render: ``add`` only folds points into bounded per-series buffers and marks the
 view dirty; a throttled draw (at most a few per second, slower if drawing gets expensive) turns
 them into one HTML document, shown with ``display(display_id=True)`` and then updated in place.
-A wait hook (:func:`accelnb.kernel.run_state.add_wait_hook`) draws what arrived after the last draw
+A wait hook (:func:`accelnb.kernel.run.run_state.add_wait_hook`) draws what arrived after the last draw
 even when no more batches come. So 20,000 reports a second cost the notebook four small
 messages a second, well under Jupyter's IOPub rate limits.
 
@@ -18,11 +18,11 @@ Charts are SVG images (:mod:`accelnb.notebook.svg_chart`) inside a ``text/html``
 ``text/plain`` table; the final update is what the saved notebook keeps, so a notebook run
 headless, or opened later, still shows the curves. Each chart thins its series to at most
 ``2 × points_per_chart`` evenly spaced reports plus the latest; the launch's
-:class:`~accelnb.kernel.metrics_history.MetricHistory` keeps everything.
+:class:`~accelnb.kernel.display.metrics_history.MetricHistory` keeps everything.
 
 Nothing is displayed when nothing was reported. Without an IPython kernel (a script, a terminal)
 the view prints a compact text summary at close instead. A surface that raises follows accelnb's
-observer policy (:mod:`accelnb.kernel.observers`): the view logs the error once, stops drawing,
+observer policy (:mod:`accelnb.kernel.display.observers`): the view logs the error once, stops drawing,
 and the launch goes on.
 """
 
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any, Protocol, TextIO
 
-from accelnb.kernel import run_state
+from accelnb.kernel.run import run_state
 from accelnb.notebook.svg_chart import PALETTE, Line, data_uri, format_value, line_chart
 from accelnb.wire.events import MetricBatch, ProgressBatch, ProgressState
 

@@ -29,7 +29,7 @@ class RunCall:
     payload: Packed  # ``wire/buffers.dump`` of (fn, args, kwargs)
     value_ranks: frozenset[int]
     # Sources the rank cannot read from disk (notebook cells): filename → text, for its
-    # debugger's and tracebacks' lines (``kernel/cell_sources.py``).
+    # debugger's and tracebacks' lines (``kernel/run/cell_sources.py``).
     sources: tuple[tuple[str, str], ...] = ()
 
 
@@ -109,7 +109,7 @@ class ProgressBatch(MetricBatch):
 
     A subclass, so that everything routing :class:`MetricBatch` events (the supervisor's
     ``isinstance`` dispatch, the launcher's metric sink) carries progress to the live view with
-    no change; :class:`~accelnb.kernel.metrics_history.MetricHistory` reads only ``records``.
+    no change; :class:`~accelnb.kernel.display.metrics_history.MetricHistory` reads only ``records``.
     """
 
     bars: list[ProgressState] = field(default_factory=list)

@@ -1,7 +1,7 @@
 """A payload the ranks inherit by fork: the call message carries a token, not the bytes.
 
 When a launch's helper is forked from the kernel *after* the payload was packed
-(``kernel/payload_delivery.py``), the helper, and every worker it forks, already holds the
+(``kernel/helper/payload_delivery.py``), the helper, and every worker it forks, already holds the
 payload in its address space, copy-on-write: the tensors the function gets are the kernel's own
 pages, and nothing is copied, which is what Accelerate's ``notebook_launcher`` gets by forking
 the kernel. The kernel keeps the packed payload in a registry for as long as the launch runs and

@@ -1,6 +1,6 @@
 """What the kernel tells the helper about each worker it should fork: one :class:`WorkerSpec` per rank.
 
-Built on the kernel side from the plan (``accelnb.kernel.worker_specs``), read on the worker side
+Built on the kernel side from the plan (``accelnb.kernel.planning.worker_specs``), read on the worker side
 (``accelnb.worker.main``); the file descriptors travel beside it with ``SCM_RIGHTS``.
 """
 

@@ -29,7 +29,7 @@ from accelnb.wire.result_pickling import dumps_for_kernel
 from accelnb.worker.return_budget import DEFAULT_RETURN_LIMIT, choose_returns
 
 _namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
-# Set by the planner (accelnb.kernel.planning.DEVICE_ENV) in every rank's environment; the worker
+# Set by the planner (accelnb.kernel.planning.rank_plan.DEVICE_ENV) in every rank's environment; the worker
 # side may not import the kernel's modules, and tests/test_planning.py pins the two names equal.
 DEVICE_ENV = "ACCELNB_DEVICE"
 

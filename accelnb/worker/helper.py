@@ -2,7 +2,7 @@
 
 Forking the kernel is fast but breaks as soon as the notebook touched CUDA; spawning fresh
 interpreters is safe but pays ``import torch`` (1–2 s) and torch's lazy imports on every launch.
-The helper process is a fresh interpreter, started once per kernel by ``kernel/helper_client.py``,
+The helper process is a fresh interpreter, started once per kernel by ``kernel/helper/client.py``,
 that imports torch and then never touches CUDA nor starts a thread. Each worker is a fork of it:
 milliseconds, with everything pre-imported. It says "ready" once workers can start (torch,
 ``torch.distributed``); what training touches next (``torch._dynamo``, which an optimizer's first
@@ -43,7 +43,7 @@ the helper. (If the helper itself is SIGKILLed, its workers die that way, and wh
 behind is re-parented to init: no process of accelnb's remains to end it.)
 
 Run as ``python -m accelnb.worker.helper CONTROL_FD [MODULE …]``, or forked from a kernel that
-already imported torch (``accelnb/kernel/helper_process.py`` says when and how).
+already imported torch (``accelnb/kernel/helper/fork_or_spawn.py`` says when and how).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
  *
  * One plugin, `accelnb-labextension:gpu-panel`. The panel follows the active notebook; each notebook's
  * toolbar item shows that notebook's selection. Both talk to the kernel over the
- * `accelnb.gpus` comm (see `model.ts`, and `accelnb/lab_bridge.py` for the kernel side and
+ * `accelnb.gpus` comm (see `model.ts`, and `accelnb/notebook/lab_bridge.py` for the kernel side and
  * the protocol).
  */
 

@@ -1,5 +1,5 @@
 /**
- * The messages of the `accelnb.gpus` comm, as the kernel side (`accelnb/lab_bridge.py`)
+ * The messages of the `accelnb.gpus` comm, as the kernel side (`accelnb/notebook/lab_bridge.py`)
  * defines them. That module's docstring is the reference; these types mirror it.
  */
 

@@ -21,7 +21,7 @@ LOAD_ACCELNB = "%load_ext accelnb"
 def test_panel_lists_gpus_and_selects_for_the_notebook(page: Page, lab_server: LabServer) -> None:
     path = lab_server.create_notebook("panel.ipynb", [
         LOAD_ACCELNB,
-        "from accelnb.kernel.selection import current_selection; print(current_selection())",
+        "from accelnb.kernel.planning.selection import current_selection; print(current_selection())",
     ])
     lab = LabPage(page)
     lab.open_notebook(lab_server.notebook_url(path, "panel"))
@@ -53,10 +53,10 @@ def test_panel_lists_gpus_and_selects_for_the_notebook(page: Page, lab_server: L
 def test_without_gpus_the_panel_asks_for_cpu_ranks(page: Page, lab_server: LabServer) -> None:
     path = lab_server.create_notebook("cpu.ipynb", [
         # A machine without an NVIDIA driver, injected the way accelnb's own tests do it.
-        "from accelnb.kernel.inventory import Inventory, set_inventory_source\n"
+        "from accelnb.kernel.planning.inventory import Inventory, set_inventory_source\n"
         "set_inventory_source(lambda: Inventory(source='none', note='no NVIDIA driver found'))\n"
         + LOAD_ACCELNB,
-        "from accelnb.kernel.selection import current_selection; print(current_selection())",
+        "from accelnb.kernel.planning.selection import current_selection; print(current_selection())",
     ])
     lab = LabPage(page)
     lab.open_notebook(lab_server.notebook_url(path, "cpu"))

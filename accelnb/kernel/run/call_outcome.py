@@ -1,7 +1,7 @@
 """What one call on a group of workers came to: data from the supervisor, no judgement in it.
 
-The supervisor (:mod:`accelnb.kernel.supervisor`) runs a call and returns a :class:`CallOutcome`;
-:mod:`accelnb.kernel.runs` asks :mod:`accelnb.kernel.failure_report` which exception, if any, it
+The supervisor (:mod:`accelnb.kernel.run.supervisor`) runs a call and returns a :class:`CallOutcome`;
+:mod:`accelnb.kernel.run.engine` asks :mod:`accelnb.kernel.run.failure_report` which exception, if any, it
 calls for. Process handling so never decides what the user reads (torch elastic splits its
 ``RunProcsResult`` from ``ChildFailedError`` the same way).
 

@@ -10,7 +10,7 @@ metric view to draw on, so nothing here imports the notebook UI.
 
 A run's ``report()`` batches go through one :class:`MetricRoute` (history, live chart, the
 caller's sinks such as a TensorBoard log). The caller makes it, so a launch with restarts
-(:mod:`accelnb.kernel.attempts`) keeps one across its attempts: one history, one chart.
+(:mod:`accelnb.kernel.run.attempts`) keeps one across its attempts: one history, one chart.
 """
 
 from __future__ import annotations
@@ -20,16 +20,16 @@ from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 from accelnb.errors import LaunchFailed
-from accelnb.kernel import planning
-from accelnb.kernel.failure_report import exception_for, interrupted_outside_call, start_interrupted
-from accelnb.kernel.helper_client import HelperSource, StepHook, shared_helper
-from accelnb.kernel.launch_result import Attempt, LaunchResult
-from accelnb.kernel.metrics_history import MetricHistory
-from accelnb.kernel.output import OutputRouter, notebook_sink
-from accelnb.kernel.ports import bind_rendezvous_socket
-from accelnb.kernel.rank_group import RankGroup
-from accelnb.kernel.supervisor import WorkerGroup
-from accelnb.kernel.worker_specs import describe_start, worker_specs
+from accelnb.kernel.display.metrics_history import MetricHistory
+from accelnb.kernel.display.output import OutputRouter, notebook_sink
+from accelnb.kernel.helper.client import HelperSource, StepHook, shared_helper
+from accelnb.kernel.planning import rank_plan
+from accelnb.kernel.planning.ports import bind_rendezvous_socket
+from accelnb.kernel.planning.worker_specs import describe_start, worker_specs
+from accelnb.kernel.run.failure_report import exception_for, interrupted_outside_call, start_interrupted
+from accelnb.kernel.run.launch_result import Attempt, LaunchResult
+from accelnb.kernel.run.rank_group import RankGroup
+from accelnb.kernel.run.supervisor import WorkerGroup
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import MetricBatch
 from accelnb.wire.result_pickling import loads_in_kernel
@@ -76,7 +76,7 @@ class MetricRoute:
 _last_result: LaunchResult | None = None
 
 
-def start_workers(the_plan: planning.LaunchPlan, master_port: int | None, *, persistent: bool,
+def start_workers(the_plan: rank_plan.LaunchPlan, master_port: int | None, *, persistent: bool,
                   quiet: bool, on_step: StepHook | None = None, restart_count: int = 0,
                   helpers: HelperSource = shared_helper) -> WorkerGroup:
     """Bind the rendezvous port and have a helper from ``helpers`` fork one worker per rank of
@@ -119,7 +119,7 @@ def run_on_group(group: RankGroup, payload: Packed, *, collect: Literal["rank0",
     ``metrics`` receives the run's metric batches (a fresh route when None). ``time_left``: the
     part of ``timeout`` earlier attempts left (None: all of it); messages name ``timeout``.
 
-    Raises what :func:`~accelnb.kernel.failure_report.exception_for` says the outcome calls for
+    Raises what :func:`~accelnb.kernel.run.failure_report.exception_for` says the outcome calls for
     (``RankFailed``, ``RankCrashed``, ``LaunchTimeout``, ``HelperDied``, ``RunInterrupted``).
     """
     chosen = list(chosen_ranks) if chosen_ranks is not None else None

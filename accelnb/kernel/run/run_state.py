@@ -12,7 +12,7 @@ supervisor calls :func:`run_wait_hooks` on every wake-up of its wait loop, which
 flood is thousands of times a second; this module, not the call site, keeps the hooks to
 :data:`WAIT_HOOK_RATE_HZ` rounds a second (see :class:`WaitHooks`).
 
-Run listeners and wait hooks follow the one observer policy of :mod:`accelnb.kernel.observers`:
+Run listeners and wait hooks follow the one observer policy of :mod:`accelnb.kernel.display.observers`:
 one that raises is logged and skipped; the launch goes on.
 """
 
@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from accelnb.kernel.observers import Listeners
+from accelnb.kernel.display.observers import Listeners
 
 RankPhase = Literal["starting", "running", "done", "failed", "stopped"]
 

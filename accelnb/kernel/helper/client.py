@@ -2,7 +2,7 @@
 
 One helper serves a kernel; it is started on first use (or ahead of time by :func:`prewarm`) and
 replaced, after being closed, when it died. In a kernel that imported torch it is first forked
-from the kernel (milliseconds) and later replaced by a spawned one (``helper_process`` says why).
+from the kernel (milliseconds) and later replaced by a spawned one (``fork_or_spawn`` says why).
 Only the thread that launches talks to it.
 
     >>> helper = shared_helper()            # ms when forked; 1-2 s when spawned (import torch)
@@ -29,12 +29,13 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Protocol
 
 from accelnb.errors import WorkerStartError
-from accelnb.kernel.call_outcome import HelperExit
-from accelnb.kernel.failure_report import helper_died
-from accelnb.kernel.helper_process import ForkedHelper, StartMethod, spawn_helper, start_method
+from accelnb.kernel.helper.fork_or_spawn import ForkedHelper, StartMethod, spawn_helper, start_method
+from accelnb.kernel.run.call_outcome import HelperExit
+from accelnb.kernel.run.failure_report import helper_died
 from accelnb.wire.spec import WorkerSpec
 
 START_TIMEOUT_S = 120.0
@@ -66,7 +67,7 @@ class WorkerHelper:
     def __init__(self, preimports: Sequence[str] = (), method: StartMethod = "spawn") -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         # The helper must import this very accelnb, wherever the kernel found it.
-        package_parent = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        package_parent = str(Path(os.path.abspath(__file__)).parents[3])  # accelnb/kernel/helper/client.py
         python_path = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONPATH": python_path}
         try:
@@ -306,10 +307,10 @@ _exit_hook_registered = False
 def shared_helper(wait: bool = True, on_step: StepHook | None = None) -> WorkerHelper:
     """The kernel's helper process, started (or, after closing the dead one, restarted) when needed.
 
-    A new helper is forked from the kernel where that is safe (``helper_process.start_method``),
+    A new helper is forked from the kernel where that is safe (``fork_or_spawn.start_method``),
     else spawned. A forked one is a bridge: once it has started workers, a spawned successor is
     started in the background, and it takes over at the first call that finds it ready and the
-    bridge without workers (see ``helper_process`` for why).
+    bridge without workers (see ``fork_or_spawn`` for why).
 
     ``on_step("helper-starting")`` runs before waiting for a helper that is not ready yet (tests).
     """

@@ -1,6 +1,6 @@
 """What the doctor found, as data and as a table: :class:`Check` records in a :class:`DoctorReport`.
 
-Checking (:mod:`accelnb.kernel.doctor`) never renders; this module never looks at the machine.
+Checking (:mod:`accelnb.kernel.doctor.checks`) never renders; this module never looks at the machine.
 
     >>> report = DoctorReport([Check("open files", "warn", "soft limit 1024", "ulimit -n 65536")])
     >>> report.worst

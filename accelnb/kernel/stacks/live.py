@@ -13,7 +13,7 @@ launch blocks the notebook, or between cells of a persistent session::
 
 Each rank's faulthandler prints its stacks on SIGUSR1; the supervisor reads them off the rank's
 stderr (keeping them out of the cell) and drops accelnb's own threads and frames
-(:mod:`accelnb.kernel.stacks`). The value is a dict, rank to stack text, that prints readably.
+(:mod:`accelnb.kernel.stacks.faulthandler_dumps`). The value is a dict, rank to stack text, that prints readably.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 from accelnb.errors import LaunchConfigError
-from accelnb.kernel.run_state import current_run
+from accelnb.kernel.run.run_state import current_run
 
 DEFAULT_WAIT_S = 1.0
 NO_DUMP = "(no stack came back in time: the rank may be inside C code that holds the GIL)"

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from accelnb.errors import RankFailure
-from accelnb.kernel.metrics_history import MetricHistory
-from accelnb.kernel.planning import LaunchPlan
+from accelnb.kernel.display.metrics_history import MetricHistory
+from accelnb.kernel.planning.rank_plan import LaunchPlan
 
 AttemptEnding = Literal["succeeded", "failed", "timed_out", "interrupted"]
 

@@ -4,7 +4,7 @@ Nothing here starts a process, opens NVML, touches CUDA or reads notebook state 
 default selection is resolved by :mod:`accelnb.launcher` before it calls in), so every rule about
 device mapping is testable on a machine without a GPU::
 
-    >>> from accelnb.kernel.inventory import synthetic_inventory
+    >>> from accelnb.kernel.planning.inventory import synthetic_inventory
     >>> p = plan(gpus="3,4,5,7", inventory=synthetic_inventory(8))
     >>> [(r.rank, r.device, r.gpu.index) for r in p.ranks]
     [(0, 'cpu', 3), (1, 'cpu', 4), (2, 'cpu', 5), (3, 'cpu', 7)]
@@ -54,8 +54,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from accelnb.errors import GpuSelectionError, LaunchConfigError
-from accelnb.kernel.inventory import GpuInfo, Inventory
-from accelnb.kernel.ports import LOOPBACK
+from accelnb.kernel.planning.inventory import GpuInfo, Inventory
+from accelnb.kernel.planning.ports import LOOPBACK
 
 GpuSpec = str | int | Sequence[int | str] | None
 

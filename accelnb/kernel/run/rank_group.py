@@ -1,8 +1,8 @@
 """What the engine needs from a group of ranks, whatever runs them: the boundary between backends.
 
-:class:`~accelnb.kernel.supervisor.WorkerGroup` (ranks forked on this machine) and
+:class:`~accelnb.kernel.run.supervisor.WorkerGroup` (ranks forked on this machine) and
 ``accelnb.cluster.ray_group.RayRankGroup`` (one Ray actor per rank across a cluster) both have
-this shape, so :mod:`accelnb.kernel.runs`, restarts and sessions drive either without knowing
+this shape, so :mod:`accelnb.kernel.run.engine`, restarts and sessions drive either without knowing
 which. A third backend (Slurm, Kubernetes) implements it and needs no change above it:
 
     >>> outcome = group.call(payload, value_ranks={0}, timeout=None)     # doctest: +SKIP
@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Protocol
 
-from accelnb.kernel.call_outcome import CallOutcome
-from accelnb.kernel.output import OutputRouter
-from accelnb.kernel.planning import LaunchPlan
+from accelnb.kernel.display.output import OutputRouter
+from accelnb.kernel.planning.rank_plan import LaunchPlan
+from accelnb.kernel.run.call_outcome import CallOutcome
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import MetricBatch
 

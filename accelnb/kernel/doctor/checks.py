@@ -10,7 +10,7 @@ check here says ok, warn or fail, what it saw, and how to fix it::
     'warn'
 
 Reading and judging are apart: :func:`read_machine_facts` reads this machine into a
-:class:`MachineFacts` (NVML through :func:`~accelnb.kernel.gpu_health.read_gpu_facts`), and
+:class:`MachineFacts` (NVML through :func:`~accelnb.kernel.doctor.gpu_health.read_gpu_facts`), and
 :func:`run_checks` judges any ``MachineFacts``, one function per check, so tests hand it a small
 ``/dev/shm``, a low file limit or a GPU held by another process. Nothing here initialises CUDA
 or imports torch; without a GPU it all takes a few milliseconds.
@@ -27,11 +27,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from accelnb.kernel.doctor_report import Check, DoctorReport
-from accelnb.kernel.gpu_health import GpuFacts, read_gpu_facts
-from accelnb.kernel.helper_client import running_helper_pid
-from accelnb.kernel.run_state import current_run
-from accelnb.kernel.selection import current_selection
+from accelnb.kernel.doctor.gpu_health import GpuFacts, read_gpu_facts
+from accelnb.kernel.doctor.report import Check, DoctorReport
+from accelnb.kernel.helper.client import running_helper_pid
+from accelnb.kernel.planning.selection import current_selection
+from accelnb.kernel.run.run_state import current_run
 
 GiB = 2**30
 SHM_MIN_TOTAL = 1 * GiB  # NCCL's shared-memory transport and DataLoader workers both live there

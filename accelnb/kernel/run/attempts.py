@@ -4,7 +4,7 @@ With ``max_restarts=N`` a launch whose rank fails (raises, crashes, is killed; o
 helper process dies) is not over: once every rank of that attempt is stopped, as without
 restarts, a fresh group is started, up to N times. The group never restarts itself; this loop
 does, so each attempt is a whole launch with the same guarantees (nothing outlives it) and a
-record (:class:`~accelnb.kernel.launch_result.Attempt`).
+record (:class:`~accelnb.kernel.run.launch_result.Attempt`).
 
     >>> result = run_attempts(start, payload, collect="all", output="rank0", timeout=None,
     ...                       metrics=MetricRoute(), max_restarts=2, restart_delay=0.0)  # doctest: +SKIP
@@ -36,11 +36,11 @@ from dataclasses import replace
 from typing import Literal
 
 from accelnb.errors import LaunchFailed, LaunchTimeout, RunInterrupted
-from accelnb.kernel import runs
-from accelnb.kernel.launch_result import Attempt, LaunchResult
-from accelnb.kernel.output import notebook_sink
-from accelnb.kernel.rank_group import RankGroup
-from accelnb.kernel.runs import MetricRoute, OutputMode, run_on_group
+from accelnb.kernel.display.output import notebook_sink
+from accelnb.kernel.run import engine
+from accelnb.kernel.run.engine import MetricRoute, OutputMode, run_on_group
+from accelnb.kernel.run.launch_result import Attempt, LaunchResult
+from accelnb.kernel.run.rank_group import RankGroup
 from accelnb.wire.buffers import Packed
 
 GroupStarter = Callable[[int], RankGroup]  # restart_count -> a started group
@@ -63,7 +63,7 @@ def run_attempts(start: GroupStarter, payload: Packed, *, collect: Literal["rank
     for index in range(max_restarts + 1):
         metrics.attempt = index
         started = time.time()
-        before = runs.last_result()
+        before = engine.last_result()
         group: RankGroup | None = None
         result: LaunchResult | None = None
         try:  # from before the group exists: an interrupt right after start returns is covered
@@ -85,7 +85,7 @@ def run_attempts(start: GroupStarter, payload: Packed, *, collect: Literal["rank
             _wait_before_restart(restart_delay, attempts)
             continue
         final = replace(result, seconds=time.monotonic() - began, attempts=attempts + result.attempts)
-        runs.remember(final)
+        engine.remember(final)
         return final
     raise AssertionError("unreachable: the last attempt returns or raises")  # pragma: no cover
 
@@ -144,6 +144,6 @@ def _listing_earlier(error: BaseException, attempts: Sequence[Attempt], note: st
 
 def _remember_attempts(before: LaunchResult | None, attempts: list[Attempt], began: float) -> None:
     """``last_result()`` after a failed attempt: its output and the metrics so far, every attempt."""
-    latest = runs.last_result()
+    latest = engine.last_result()
     if latest is not None and latest is not before:  # the attempt got as far as running
-        runs.remember(replace(latest, seconds=time.monotonic() - began, attempts=list(attempts)))
+        engine.remember(replace(latest, seconds=time.monotonic() - began, attempts=list(attempts)))

@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from accelnb.kernel.byte_sizes import human_bytes
+from accelnb.kernel.display.byte_sizes import human_bytes
 
 Stream = Literal["stdout", "stderr"]
 Sink = Callable[[Stream, str], None]

@@ -4,14 +4,14 @@
 (stdout and stderr pipes; events and inbox ``AF_UNIX`` stream sockets, which carry the memfds
 of big buffers, see ``wire/channel.py``), and then waits in the launching thread, multiplexing
 every channel and the helper's reports with one selector. While it waits it feeds output to the
-:class:`~accelnb.kernel.output.OutputRouter`, metrics to their sink, and rank states to ``run_state``.
+:class:`~accelnb.kernel.display.output.OutputRouter`, metrics to their sink, and rank states to ``run_state``.
 
     >>> group = WorkerGroup(plan, shared_helper(), router)                  # doctest: +SKIP
     >>> group.start(specs, store_socket)                                     # doctest: +SKIP
     >>> outcome = group.call(payload, value_ranks={0}, timeout=None)         # doctest: +SKIP
 
-:meth:`WorkerGroup.call` returns a :class:`~accelnb.kernel.call_outcome.CallOutcome` and raises
-nothing for what happens to the ranks; :mod:`accelnb.kernel.runs` decides what the user sees.
+:meth:`WorkerGroup.call` returns a :class:`~accelnb.kernel.run.call_outcome.CallOutcome` and raises
+nothing for what happens to the ranks; :mod:`accelnb.kernel.run.engine` decides what the user sees.
 Endings, all of which leave no process and no bound port behind:
 
 - every rank answered: the call's values come back;
@@ -49,15 +49,15 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from accelnb.errors import RankFailure
-from accelnb.kernel import run_state
-from accelnb.kernel.call_outcome import CallOutcome, CallPhase, Ending, HelperExit, StopSource
-from accelnb.kernel.cell_sources import in_memory_sources
-from accelnb.kernel.failure_report import exception_failure, exit_failure
-from accelnb.kernel.helper_client import StepHook, WorkerExit, WorkerHelper
-from accelnb.kernel.output import OutputRouter
-from accelnb.kernel.planning import LaunchPlan
-from accelnb.kernel.rank_prompts import PendingPrompts, ask_in_kernel
-from accelnb.kernel.stacks import clean_stack_dump, split_stack_dump
+from accelnb.kernel.display.output import OutputRouter
+from accelnb.kernel.helper.client import StepHook, WorkerExit, WorkerHelper
+from accelnb.kernel.planning.rank_plan import LaunchPlan
+from accelnb.kernel.run import run_state
+from accelnb.kernel.run.call_outcome import CallOutcome, CallPhase, Ending, HelperExit, StopSource
+from accelnb.kernel.run.cell_sources import in_memory_sources
+from accelnb.kernel.run.failure_report import exception_failure, exit_failure
+from accelnb.kernel.run.rank_prompts import PendingPrompts, ask_in_kernel
+from accelnb.kernel.stacks.faulthandler_dumps import clean_stack_dump, split_stack_dump
 from accelnb.wire.buffers import Packed
 from accelnb.wire.channel import MessageReader, encode, receive_chunk, send_frame
 from accelnb.wire.events import (

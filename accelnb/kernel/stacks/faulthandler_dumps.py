@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
-# accelnb/ with a trailing separator: every frame under it is ours, whichever subpackage.
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+# accelnb/ (this file is accelnb/kernel/stacks/…) with a trailing separator: every frame under it is
+# ours, whichever subpackage.
+_PACKAGE_ROOT = str(Path(os.path.abspath(__file__)).parents[2]) + os.sep
 _THREAD_HEADER = re.compile(r"^(Thread 0x[0-9a-f]+|Current thread 0x[0-9a-f]+)")
 _THREAD_RUN = re.compile(r'threading\.py", line \d+ in run$')  # Thread.run calls the thread's target
 

@@ -27,7 +27,8 @@ import resource
 from collections.abc import Callable
 
 from accelnb.errors import LaunchConfigError
-from accelnb.kernel.doctor import (
+from accelnb.kernel.display.output import notebook_sink
+from accelnb.kernel.doctor.checks import (
     MachineFacts,
     check_environment,
     check_gpus,
@@ -39,10 +40,9 @@ from accelnb.kernel.doctor import (
     read_shm,
     resource_limit,
 )
-from accelnb.kernel.doctor_report import Check, DoctorReport
-from accelnb.kernel.gpu_health import GpuFacts, GpuHealth
-from accelnb.kernel.output import notebook_sink
-from accelnb.kernel.planning import LaunchPlan
+from accelnb.kernel.doctor.gpu_health import GpuFacts, GpuHealth
+from accelnb.kernel.doctor.report import Check, DoctorReport
+from accelnb.kernel.planning.rank_plan import LaunchPlan
 
 LAUNCH_CHECKS: tuple[Callable[[MachineFacts], list[Check]], ...] = (
     check_shm, check_open_files, check_environment, check_gpus, check_network)

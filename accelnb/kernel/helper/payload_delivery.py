@@ -11,7 +11,7 @@ the kernel allocating and zeroing 4 KiB pages of shared memory: 1 GiB took 0.29 
 ``notebook_launcher``, which forks the kernel per launch so that the ranks see the tensor for
 free, took 0.16 s for the whole launch (issue 12's target is 1.5× that).
 
-**Fork** does what Accelerate does, where that is safe (``helper_process.fork_is_safe``: torch
+**Fork** does what Accelerate does, where that is safe (``fork_or_spawn.fork_is_safe``: torch
 imported, CUDA not initialised; where it is not, Accelerate cannot launch at all) and the payload
 is big: the launch gets a helper of its own, forked from the kernel *after* the payload was
 packed. The workers it forks share the kernel's pages copy-on-write, and the call message
@@ -40,8 +40,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from accelnb.errors import WorkerStartError
-from accelnb.kernel.helper_client import HelperSource, StepHook, WorkerHelper, shared_helper
-from accelnb.kernel.helper_process import fork_is_safe
+from accelnb.kernel.helper.client import HelperSource, StepHook, WorkerHelper, shared_helper
+from accelnb.kernel.helper.fork_or_spawn import fork_is_safe
 from accelnb.wire.buffers import Packed
 from accelnb.wire.inherited_payload import inherited
 

@@ -51,7 +51,7 @@ import warnings
 from typing import IO, Literal, NoReturn
 
 from accelnb.errors import WorkerStartError
-from accelnb.kernel import openmp_pool
+from accelnb.kernel.helper import openmp_pool
 
 StartMethod = Literal["fork", "spawn"]
 START_METHOD_VARIABLE = "ACCELNB_HELPER_START"  # "fork", "spawn" or "auto" (the default)

@@ -16,11 +16,11 @@ import sys
 from collections.abc import Sequence
 
 from accelnb.errors import LaunchConfigError
-from accelnb.kernel import planning
+from accelnb.kernel.planning import rank_plan
 from accelnb.wire.spec import WorkerSpec
 
 
-def worker_specs(the_plan: planning.LaunchPlan, persistent: bool = False,
+def worker_specs(the_plan: rank_plan.LaunchPlan, persistent: bool = False,
                  restart_count: int = 0) -> list[WorkerSpec]:
     """The per-rank specs the helper forks workers from; ``restart_count``: which attempt of a
     launch with restarts they belong to."""
@@ -75,7 +75,7 @@ def _kernel_omp_setting() -> str | None:
     return setting or None  # set but empty: OpenMP ignores it, and so do we
 
 
-def describe_start(the_plan: planning.LaunchPlan, pids: Sequence[int]) -> str:
+def describe_start(the_plan: rank_plan.LaunchPlan, pids: Sequence[int]) -> str:
     if len(pids) != len(the_plan.ranks):
         raise ValueError(f"{len(pids)} pid(s) for {len(the_plan.ranks)} rank(s)")
     return the_plan.table(pids)

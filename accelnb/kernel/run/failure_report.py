@@ -2,7 +2,7 @@
 
 The supervisor records each rank that did not finish as a :class:`~accelnb.errors.RankFailure`
 (with the constructors here, so that every summary is worded in this one place) and returns a
-:class:`~accelnb.kernel.call_outcome.CallOutcome`; :func:`exception_for` turns that into the
+:class:`~accelnb.kernel.run.call_outcome.CallOutcome`; :func:`exception_for` turns that into the
 exception the cell shows, or None when every rank answered.
 
 The earliest failure is the root cause and comes first; ranks that failed *because* of it (a peer
@@ -28,8 +28,8 @@ from accelnb.errors import (
     RankFailure,
     RunInterrupted,
 )
-from accelnb.kernel.call_outcome import CallOutcome, HelperExit
-from accelnb.kernel.stacks import clean_stack_dump
+from accelnb.kernel.run.call_outcome import CallOutcome, HelperExit
+from accelnb.kernel.stacks.faulthandler_dumps import clean_stack_dump
 from accelnb.wire.events import CallError
 from accelnb.wire.result_pickling import loads_in_kernel
 
