@@ -12,36 +12,86 @@ fails (the function reads ``restart_count()``), ``log_dir=`` writes TensorBoard 
 no threads, no processes until the first launch.
 """
 
-from accelnb.errors import (
-    AccelnbError,
-    GpuSelectionError,
-    HelperDied,
-    LaunchConfigError,
-    LaunchFailed,
-    LaunchTimeout,
-    PortInUseError,
-    RankCrashed,
-    RankFailed,
-    RankFailure,
-    RunInterrupted,
-    UnpicklableError,
-    WorkerStartError,
-)
-from accelnb.kernel.display.metrics_history import MetricHistory
-from accelnb.kernel.doctor.checks import doctor
-from accelnb.kernel.doctor.report import Check, DoctorReport
-from accelnb.kernel.helper.client import prewarm
-from accelnb.kernel.planning.inventory import GpuInfo, Inventory, read_inventory, synthetic_inventory
-from accelnb.kernel.planning.rank_plan import LaunchPlan, RankSpec
-from accelnb.kernel.planning.selection import Selection, current_selection, set_selection
-from accelnb.kernel.run.launch_result import LaunchResult
-from accelnb.kernel.stacks.live import stacks
-from accelnb.launcher import last_result, launch, notebook_launcher, plan
-from accelnb.session import Session
-from accelnb.worker.accelerate_tracker import AccelerateTracker
-from accelnb.worker.progress import progress
-from accelnb.worker.report import report
-from accelnb.worker.restarts import restart_count
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # what each public name is, for type checkers and editors; imported on first use
+    from accelnb.errors import (
+        AccelnbError,
+        GpuSelectionError,
+        HelperDied,
+        LaunchConfigError,
+        LaunchFailed,
+        LaunchTimeout,
+        PortInUseError,
+        RankCrashed,
+        RankFailed,
+        RankFailure,
+        RunInterrupted,
+        UnpicklableError,
+        WorkerStartError,
+    )
+    from accelnb.kernel.display.metrics_history import MetricHistory
+    from accelnb.kernel.doctor.checks import doctor
+    from accelnb.kernel.doctor.report import Check, DoctorReport
+    from accelnb.kernel.helper.client import prewarm
+    from accelnb.kernel.planning.inventory import GpuInfo, Inventory, read_inventory, synthetic_inventory
+    from accelnb.kernel.planning.rank_plan import LaunchPlan, RankSpec
+    from accelnb.kernel.planning.selection import Selection, current_selection, set_selection
+    from accelnb.kernel.run.launch_result import LaunchResult
+    from accelnb.kernel.stacks.live import stacks
+    from accelnb.launcher import last_result, launch, notebook_launcher, plan
+    from accelnb.session import Session
+    from accelnb.worker.accelerate_tracker import AccelerateTracker
+    from accelnb.worker.progress import progress
+    from accelnb.worker.report import report
+    from accelnb.worker.restarts import restart_count
+
+# Every public name and the module that defines it. Nothing is imported with ``accelnb``: a rank
+# imports ``accelnb.worker.*``, which runs this file first, and must not load the kernel's 30-odd
+# modules, the launcher and the session with it (tests/test_layout.py checks a real rank's
+# ``sys.modules``); in the kernel each name costs its import once, on first use.
+_DEFINED_IN: dict[str, str] = {
+    "AccelnbError": "accelnb.errors",
+    "GpuSelectionError": "accelnb.errors",
+    "HelperDied": "accelnb.errors",
+    "LaunchConfigError": "accelnb.errors",
+    "LaunchFailed": "accelnb.errors",
+    "LaunchTimeout": "accelnb.errors",
+    "PortInUseError": "accelnb.errors",
+    "RankCrashed": "accelnb.errors",
+    "RankFailed": "accelnb.errors",
+    "RankFailure": "accelnb.errors",
+    "RunInterrupted": "accelnb.errors",
+    "UnpicklableError": "accelnb.errors",
+    "WorkerStartError": "accelnb.errors",
+    "MetricHistory": "accelnb.kernel.display.metrics_history",
+    "doctor": "accelnb.kernel.doctor.checks",
+    "Check": "accelnb.kernel.doctor.report",
+    "DoctorReport": "accelnb.kernel.doctor.report",
+    "prewarm": "accelnb.kernel.helper.client",
+    "GpuInfo": "accelnb.kernel.planning.inventory",
+    "Inventory": "accelnb.kernel.planning.inventory",
+    "read_inventory": "accelnb.kernel.planning.inventory",
+    "synthetic_inventory": "accelnb.kernel.planning.inventory",
+    "LaunchPlan": "accelnb.kernel.planning.rank_plan",
+    "RankSpec": "accelnb.kernel.planning.rank_plan",
+    "Selection": "accelnb.kernel.planning.selection",
+    "current_selection": "accelnb.kernel.planning.selection",
+    "set_selection": "accelnb.kernel.planning.selection",
+    "LaunchResult": "accelnb.kernel.run.launch_result",
+    "stacks": "accelnb.kernel.stacks.live",
+    "last_result": "accelnb.launcher",
+    "launch": "accelnb.launcher",
+    "notebook_launcher": "accelnb.launcher",
+    "plan": "accelnb.launcher",
+    "Session": "accelnb.session",
+    "AccelerateTracker": "accelnb.worker.accelerate_tracker",
+    "progress": "accelnb.worker.progress",
+    "report": "accelnb.worker.report",
+    "restart_count": "accelnb.worker.restarts",
+    "Panel": "accelnb.notebook.panel",  # pulls in ipywidgets
+}
+
 
 __all__ = [
     "AccelerateTracker",
@@ -87,17 +137,24 @@ __all__ = [
 
 
 def __getattr__(name: str) -> object:
-    # The widget panel pulls in ipywidgets: imported on first use, not with accelnb.
-    if name == "Panel":
-        from accelnb.notebook.panel import Panel
+    module = _DEFINED_IN.get(name)
+    if module is None:
+        raise AttributeError(f"module 'accelnb' has no attribute {name!r}")
+    import importlib
 
-        return Panel
-    raise AttributeError(f"module 'accelnb' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later look-ups are plain attribute reads
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
 
 
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext accelnb``: the ``%%distributed`` magic, the side panel's comm target, and a
     head start for accelnb's helper process (so the first launch does not wait for torch)."""
+    from accelnb.kernel.helper.client import prewarm
     from accelnb.notebook.lab_bridge import register_comm_target
     from accelnb.notebook.magic import DistributedMagics
 

@@ -5,7 +5,7 @@
 The function is ``tests/test_big_trainers.py``'s ``compiled_first_call`` (a 2-layer MLP, inductor
 on the CPU). Each repeat times it in a plain interpreter that imported what accelnb's helper
 pre-imports (inductor's default pool of compile processes), then in a one-rank launch (which
-compiles in the rank: ``accelnb/worker/main.py``, ``_compile_in_process``), then in a two-rank
+compiles in the rank: ``accelnb/worker/rank_body.py``, ``compile_in_process``), then in a two-rank
 launch (both ranks compile at once, on cores they share). Inductor's on-disk cache is warmed
 first, as it is on any machine that compiled once, so the numbers compare the processes, not a
 cold cache. Prints one line per repeat and the medians, in seconds.

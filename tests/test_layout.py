@@ -47,10 +47,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "accelnb.launcher": ("accelnb.options", "accelnb.errors", "accelnb.wire", "accelnb.kernel", "accelnb.cluster",
                          "accelnb.notebook.metrics_view"),  # the live chart, wired in lazily when a run reports
     "accelnb.session": ("accelnb.launcher", "accelnb.options", "accelnb.errors", "accelnb.wire", "accelnb.kernel"),
+    # No worker module: the cell contract %%distributed shares with the ranks is wire/cell_contract.
     "accelnb.notebook": ("accelnb.notebook", "accelnb.launcher", "accelnb.session", "accelnb.options",
-                         "accelnb.errors", "accelnb.wire", "accelnb.kernel",
-                         # the cell contract %%distributed shares with the ranks (issue 24 moves it to wire/)
-                         "accelnb.worker.cell_analysis", "accelnb.worker.cell_runner", "accelnb.worker.return_budget"),
+                         "accelnb.errors", "accelnb.wire", "accelnb.kernel"),
     "accelnb": ("accelnb.errors", "accelnb.kernel", "accelnb.launcher", "accelnb.session", "accelnb.notebook",
                 "accelnb.worker"),  # worker: the API a rank calls (report, progress, restart_count, ...)
     "accelnb.demo": ("accelnb",),
@@ -264,3 +263,42 @@ def test_the_walk_lets_a_right_import_through(module: str, source: str) -> None:
 def test_type_checking_imports_are_annotations_only() -> None:
     source = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from accelnb.kernel.display import output\n"
     assert _violations("accelnb.worker.main", source) == []
+
+
+# ── what a rank loads at run time ──────────────────────────────────────────────────────────────
+KERNEL_SIDE = ("accelnb.kernel", "accelnb.notebook", "accelnb.launcher", "accelnb.session", "accelnb.options",
+               "accelnb.cluster", "ipywidgets", "ipykernel", "IPython")
+
+RANK_MODULES_SCRIPT = """
+import json, sys
+import accelnb
+
+def kernel_side_modules(prefixes):
+    import sys
+    return sorted(m for m in sys.modules if m.startswith(tuple(prefixes)) and (m in prefixes or m.startswith(
+        tuple(p + "." for p in prefixes))))
+
+result = accelnb.launch(kernel_side_modules, args=(sys.argv[1:],), num_processes=2, quiet=True)
+print(json.dumps({"ranks": {str(rank): value for rank, value in result.values.items()},
+                  "caller": sorted(m for m in sys.modules if m.startswith("accelnb.kernel"))[:3]}))
+"""
+
+
+def test_a_rank_loads_no_kernel_or_notebook_code(tmp_path: Path) -> None:
+    """Real ranks forked by a spawned helper, from a plain script: nothing of the kernel's side
+    is in their ``sys.modules`` (the caller's side did load it, so the test can tell)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    script = tmp_path / "launch.py"
+    script.write_text(RANK_MODULES_SCRIPT)
+    env = {**os.environ, "ACCELNB_HELPER_START": "spawn",
+           "PYTHONPATH": os.pathsep.join(p for p in (str(PACKAGE.parent), os.environ.get("PYTHONPATH")) if p)}
+    done = subprocess.run([sys.executable, str(script), *KERNEL_SIDE], capture_output=True, text=True, env=env,
+                          cwd=str(tmp_path), timeout=180)
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout.strip().splitlines()[-1])
+    assert seen["caller"], "the launching process loads the kernel's modules: the check below can fail"
+    assert seen["ranks"] == {"0": [], "1": []}, seen["ranks"]

@@ -18,9 +18,9 @@ from IPython.core.error import UsageError
 from accelnb import launch, synthetic_inventory
 from accelnb.notebook.magic import CellReturns, magic_wording, parse_cell_line, parse_start_options
 from accelnb.options import described_fields
+from accelnb.wire.cell_contract import DEFAULT_RETURN_LIMIT, CellRequest
 from accelnb.wire.result_pickling import loads_in_kernel
-from accelnb.worker.cell_runner import CellRequest, run_cell
-from accelnb.worker.return_budget import DEFAULT_RETURN_LIMIT
+from accelnb.worker.cell_runner import run_cell
 from tests.conftest import error_of, result_of, run_named_cells, stream_text
 
 ROOT = str(Path(__file__).resolve().parent.parent)

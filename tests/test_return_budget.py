@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from accelnb.kernel.display.byte_sizes import describe_limit, human_bytes, parse_byte_size
+from accelnb.wire.cell_contract import DEFAULT_RETURN_LIMIT
 from accelnb.worker.return_budget import (
-    DEFAULT_RETURN_LIMIT,
     choose_returns,
     estimated_size,
     reason_to_keep_on_ranks,

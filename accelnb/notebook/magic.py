@@ -54,10 +54,9 @@ from accelnb.options import (
     described_fields,
 )
 from accelnb.session import Session
+from accelnb.wire.cell_analysis import assigned_names, used_names
+from accelnb.wire.cell_contract import DEFAULT_RETURN_LIMIT, RUN_CELL, CellOutcome, CellRequest
 from accelnb.wire.result_pickling import loads_in_kernel
-from accelnb.worker.cell_analysis import assigned_names, used_names
-from accelnb.worker.cell_runner import CellOutcome, CellRequest, run_cell
-from accelnb.worker.return_budget import DEFAULT_RETURN_LIMIT
 
 RANK_NAMES = ("rank", "local_rank", "world_size", "device")
 # IPython's own bookkeeping names; never worth shipping.
@@ -212,11 +211,11 @@ class DistributedMagics(Magics):
             with _as_usage_error():
                 if in_session:
                     assert self.session is not None
-                    result = self.session.run(run_cell, (request,), **_call_keywords(options))
+                    result = self.session.run(RUN_CELL, (request,), **_call_keywords(options))
                     if options.ranks is None:  # names a --ranks cell assigns are on its ranks only:
                         self._names_on_ranks.update(assigned_names(source))  # later cells ship them
                 else:
-                    result = launch_with(run_cell, (request,), {}, options)
+                    result = launch_with(RUN_CELL, (request,), {}, options)
         finally:
             if self.session is not None and not self.session.alive:
                 self.session = None

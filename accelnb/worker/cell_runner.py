@@ -1,7 +1,7 @@
 """The worker half of ``%%distributed``: execute a notebook cell's source on one rank.
 
-The kernel sends a :class:`CellRequest` (source, the notebook names the cell uses, modules to
-import); every rank executes it in a namespace that lives as long as the worker (so a persistent
+The kernel sends a ``CellRequest`` (``wire/cell_contract.py``: source, the notebook names the
+cell uses, modules to import); every rank executes it in a namespace that lives as long as the worker (so a persistent
 session keeps variables between cells), with ``rank``, ``local_rank``, ``world_size`` and
 ``device`` predefined. ``device`` is the rank's planned device, read from ``ACCELNB_DEVICE`` and
 never re-derived here: a synthetic inventory on a GPU host plans cpu, and the cell gets cpu. The
@@ -21,39 +21,17 @@ import ast
 import importlib
 import linecache
 import os
-from dataclasses import dataclass, field
 from typing import Any
 
-from accelnb.wire.buffers import Packed
+from accelnb.wire.cell_analysis import assigned_names
+from accelnb.wire.cell_contract import CellOutcome, CellRequest
 from accelnb.wire.result_pickling import dumps_for_kernel
-from accelnb.worker.return_budget import DEFAULT_RETURN_LIMIT, choose_returns
+from accelnb.worker.return_budget import choose_returns
 
 _namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
 # Set by the planner (accelnb.kernel.planning.rank_plan.DEVICE_ENV) in every rank's environment; the worker
 # side may not import the kernel's modules, and tests/test_planning.py pins the two names equal.
 DEVICE_ENV = "ACCELNB_DEVICE"
-
-
-@dataclass(frozen=True)
-class CellRequest:
-    source: str  # the cell body, without the %%distributed line
-    filename: str  # "<cell In[3]>", shown in tracebacks
-    header: str  # the %%distributed line: line 1 of the cell as the notebook shows it
-    names: dict[str, Any]  # notebook values the cell uses
-    modules: dict[str, str]  # name → module to import, for notebook names that are modules
-    return_names: list[str] | None  # None: every assigned name, within return_limit; []: none
-    return_limit: int | None = DEFAULT_RETURN_LIMIT  # bytes; None: no budget
-    reply_rank: int = 0  # the rank whose value and names come back (the first of --ranks)
-
-
-@dataclass
-class CellOutcome:
-    last_value: Packed | None = None  # pickled for the kernel; its buffers travel in shared memory
-    last_value_repr: str | None = None  # when the value does not pickle
-    returned: dict[str, Packed] = field(default_factory=dict)
-    not_returned: dict[str, str] = field(default_factory=dict)  # name → why
-    kept_for_size: dict[str, int] = field(default_factory=dict)  # name → estimated bytes, over the budget
-    unwrapped: list[str] = field(default_factory=list)  # DDP models sent back as their .module
 
 
 def run_cell(request: CellRequest) -> CellOutcome | None:
@@ -86,8 +64,6 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
             outcome.last_value = dumps_for_kernel(value)
         except Exception:
             outcome.last_value_repr = repr(value)
-    from accelnb.worker.cell_analysis import assigned_names
-
     explicit = request.return_names is not None
     wanted = request.return_names if request.return_names is not None else assigned_names(request.source)
     for name in wanted:

@@ -14,17 +14,16 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
 3. runs calls from its inbox (one for ``notebook_launcher``, many in a persistent session),
    answering each with a value or the exception, both pickled so that the kernel can load them
    without touching CUDA (``wire/result_pickling.py``), the traceback without accelnb's frames;
+   how a call runs, like the streams and the group's join, is ``worker/rank_body.py``, which the
+   Ray actor (``worker/ray_rank.py``) shares;
 4. leaves on the kernel's Shutdown (sent once every rank answered), with ``os._exit``: the OS
    closes the group's sockets. End of file on the inbox means the kernel is gone: exit now.
 """
 
 from __future__ import annotations
 
-import bdb
 import ctypes
 import faulthandler
-import io
-import linecache
 import os
 import queue
 import select
@@ -32,34 +31,26 @@ import signal
 import socket
 import sys
 import threading
-import time
-import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from types import FrameType
 from typing import Any
 
-import cloudpickle
-
-from accelnb.wire import buffers, channel
-from accelnb.wire.events import CallError, CallResult, InputReply, Joined, RunCall, Shutdown
-from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_kernel
+from accelnb.wire import channel
+from accelnb.wire.events import InputReply, Joined, RunCall, Shutdown
 from accelnb.wire.spec import WorkerSpec
 from accelnb.worker import rank_debugger, rank_input, report, restarts
+from accelnb.worker.rank_body import (
+    chdir_quietly,
+    compile_in_process,
+    describe_error,
+    flush_streams_and_metrics,
+    install_streams,
+    join_process_group,
+    run_call,
+    start_flusher,
+)
 
-# accelnb/ with a trailing separator: frames under it are ours, whichever subpackage.
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-# cloudpickle's frames show only when accelnb's own (un)pickling fails: machinery too.
-_CLOUDPICKLE_ROOT = os.path.dirname(os.path.abspath(cloudpickle.__file__)) + os.sep
-FLUSH_INTERVAL_S = 0.05
-STREAM_BUFFER_BYTES = 1 << 16
 SIGTERM_FLUSH_LIMIT_S = 1.0
-# Rendezvous, and the default timeout of every collective: a rank waiting longer than this in a
-# barrier or all_reduce raises instead of hanging.
-PROCESS_GROUP_TIMEOUT_S = 300.0
-# Keys of the join barrier in the launch's TCPStore (torch's own keys carry a "default_pg/" prefix).
-_JOINED_KEY = "accelnb/joined"
-_ALL_JOINED_KEY = "accelnb/all-joined"
 
 
 def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int | None) -> int:
@@ -68,13 +59,13 @@ def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int |
     try:
         return _serve(spec, inbox_fd, events, store_fd)
     except SystemExit as leaving:  # the function's own SIGTERM handler, run between calls
-        _flush_streams_and_metrics()
+        flush_streams_and_metrics()
         return leaving.code if isinstance(leaving.code, int) else int(leaving.code is not None)
 
 
 def report_setup_failure(rank: int, events_fd: int, error: BaseException) -> None:
     """Tell the kernel that this rank failed before running any call (``call_id=None``)."""
-    channel.MessageWriter(socket.socket(fileno=events_fd)).send(_describe_error(rank, None, error))
+    channel.MessageWriter(socket.socket(fileno=events_fd)).send(describe_error(rank, None, error))
 
 
 def _serve(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, store_fd: int | None) -> int:
@@ -82,8 +73,8 @@ def _serve(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, store
     try:
         terminating, flusher = _set_up(spec, inbox_fd, events, store_fd, commands)
     except BaseException as error:  # the kernel shows the cause, not a bare exit code
-        _flush_streams_and_metrics()
-        events.send(_describe_error(spec.rank, None, error))
+        flush_streams_and_metrics()
+        events.send(describe_error(spec.rank, None, error))
         return 1
     events.send(Joined(spec.rank))
 
@@ -96,7 +87,7 @@ def _serve(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, store
         if command is None or isinstance(command, Shutdown):
             break
         assert isinstance(command, RunCall)
-        succeeded = _run_call(spec.rank, command, events)
+        succeeded = run_call(spec.rank, command, events)
         command = None  # its arguments' shared pages go now, not when the next call comes
         if not spec.persistent:
             exit_code = 0 if succeeded else 1
@@ -121,219 +112,26 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     """Everything before the first call; returns (SIGTERM came, the flusher's stop)."""
     terminating = _flush_before_dying_of_sigterm(wake=lambda: commands.put(None))
     os.environ.update(spec.env)
-    _chdir_quietly(spec.cwd)
+    chdir_quietly(spec.cwd)
     sys.path[:] = spec.sys_path
-    _install_streams()
+    install_streams()
     # Straight to fd 2, which survives a user replacing sys.stderr.
     faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)
     report.attach(events, spec.rank)
-    rank_input.attach(events, spec.rank, flush=_flush_streams_and_metrics)  # input() asks the notebook
+    rank_input.attach(events, spec.rank, flush=flush_streams_and_metrics)  # input() asks the notebook
     rank_debugger.attach()  # breakpoint() opens a (Pdb) prompt there
     restarts.attach(spec.restart_count)
     _start_inbox_reader(inbox_fd, commands)
-    flusher = _start_flusher()
+    flusher = start_flusher()
 
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, spec.threads_per_rank))
-    _compile_in_process()
-    _join_process_group(spec, store_fd, torch, dist)
+    compile_in_process()
+    join_process_group(spec, store_fd, torch, dist)
     return terminating, flusher
-
-
-def _compile_in_process() -> None:
-    """``torch.compile`` in a rank compiles in the rank, not in a pool of compile processes,
-    unless the user set ``TORCHINDUCTOR_COMPILE_THREADS``.
-
-    Inductor sizes its pool (up to 32 subprocesses) when ``torch._inductor.config`` is imported,
-    which happens in the helper, before the fork, so the variable alone would come too late. A
-    pool per rank is wrong here: N ranks times the pool compete for the cores the ranks share; it
-    is shut down by an ``atexit`` hook, which a rank leaving with ``os._exit`` never runs, so its
-    processes would be left to the subreaper's SIGKILL; and for a notebook's models starting it
-    costs more than it saves (2 cores: first compiled call 2.5 s in-process against 3.5 s with
-    the pool, a one-rank launch 5.5 s against 8.0 s).
-    """
-    threads = os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")  # and processes the rank starts
-    inductor_config = sys.modules.get("torch._inductor.config")
-    if inductor_config is not None and threads.strip().isdigit():
-        setattr(inductor_config, "compile_threads", max(1, int(threads)))  # noqa: B010  (mypy cannot see torch config attributes)
-
-
-def _run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
-    """Run one call; True when it returned normally and its value (if wanted) went back."""
-    value = None
-    _register_sources(call.sources)
-    try:
-        # Big arguments are rebuilt over the shared pages the kernel wrote once for all ranks,
-        # mapped copy-on-write: this rank may write into them without affecting anyone else.
-        fn, args, kwargs = buffers.load(call.payload)
-        try:
-            value = fn(*args, **kwargs)
-        finally:
-            rank_debugger.leave_debugger()
-    except BaseException as error:
-        if not (isinstance(error, SystemExit) and error.code in (0, None)):
-            _flush_streams_and_metrics()
-            events.send(_describe_error(rank, call.call_id, error))
-            return False
-    try:
-        data = dumps_for_kernel(value) if rank in call.value_ranks else None
-    except BaseException as error:  # an interrupt while pickling is an interrupt of the call
-        _flush_streams_and_metrics()
-        events.send(_unsendable_value(rank, call.call_id, value, error) if isinstance(error, Exception)
-                    else _describe_error(rank, call.call_id, error))
-        return False
-    _flush_streams_and_metrics()
-    events.send(CallResult(rank, call.call_id, data))
-    return True
-
-
-def _register_sources(sources: tuple[tuple[str, str], ...]) -> None:
-    """Notebook cells' text, so that the debugger and tracebacks show the lines of notebook code."""
-    for filename, text in sources:
-        if filename not in linecache.cache:
-            lines = text.splitlines(keepends=True)
-            linecache.cache[filename] = (len(text), None, lines, filename)
-
-
-def _join_process_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist: Any) -> None:
-    timeout = timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
-    device_id = None
-    if spec.device.startswith("cuda"):
-        device_id = torch.device(spec.device)
-        torch.cuda.set_device(device_id)
-    store = dist.TCPStore(
-        spec.master_addr,
-        spec.master_port,
-        spec.world_size,
-        is_master=spec.rank == 0,
-        timeout=timeout,
-        wait_for_workers=False,
-        master_listen_fd=store_fd,
-    )
-    kwargs: dict[str, Any] = {"store": store, "rank": spec.rank, "world_size": spec.world_size,
-                              "timeout": timeout}
-    if device_id is not None and spec.backend == "nccl":
-        kwargs["device_id"] = device_id
-    dist.init_process_group(spec.backend, **kwargs)
-    _wait_until_every_rank_joined(store, spec.world_size)
-
-
-def _wait_until_every_rank_joined(store: Any, world_size: int) -> None:
-    """Return only once every rank's ``init_process_group`` has returned.
-
-    ``init_process_group`` can return on one rank while a peer is still finishing its side of the
-    connections (gloo's ``connectFullMesh``): this rank is connected, the peer still reads the
-    handshake. A function that tears the group down at once (Accelerate's ``end_training()``
-    calls ``destroy_process_group()``) then closes the socket under the peer, whose set-up fails
-    with "Connection closed by peer" (seen in about 1 launch in 70 under CPU load). So no rank
-    runs user code before all have joined. A store counter, not ``dist.barrier()``: no collective
-    on the device (NCCL would allocate), and not torch's ``TORCH_DIST_INIT_BARRIER``, which polls.
-    """
-    if store.add(_JOINED_KEY, 1) == world_size:
-        store.set(_ALL_JOINED_KEY, b"1")
-    store.wait([_ALL_JOINED_KEY])
-
-
-def _describe_error(rank: int, call_id: int | None, error: BaseException) -> CallError:
-    if isinstance(error, bdb.BdbQuit):  # the user's own `q`: no traceback through pdb's frames
-        return CallError(rank=rank, call_id=call_id, type_name="bdb.BdbQuit",
-                         message=f"quit in the debugger on rank {rank}", traceback="",
-                         exception=None, timestamp=time.time())
-    return CallError(
-        rank=rank,
-        call_id=call_id,
-        type_name=_type_name(type(error)),
-        message=_text_of(error),
-        traceback=_user_traceback(error),
-        # Through the kernel-safe pickler, like return values: an argument could be a CUDA tensor.
-        exception=dumps_exception_for_kernel(error),
-        timestamp=time.time(),
-    )
-
-
-def _unsendable_value(rank: int, call_id: int, value: Any, error: Exception) -> CallError:
-    """The function returned, but its value cannot be pickled: say so, without pickle's frames."""
-    kind = _type_name(type(value))
-    message = (
-        f"the function returned a {kind} on rank {rank}, which cannot be sent back to the notebook "
-        f"({type(error).__name__}: {_text_of(error)}). Return data that pickles instead: numbers, "
-        "strings, tensors, lists and dicts of them, a model's state_dict(). Keep locks, sockets, "
-        "open files and generators inside the function (a generator: return list(...)), or save "
-        "the value to a file and return its path.")
-    reason = TypeError(message)
-    return CallError(rank=rank, call_id=call_id, type_name="TypeError", message=message,
-                     traceback="", exception=dumps_exception_for_kernel(reason), timestamp=time.time())
-
-
-def _type_name(kind: type) -> str:
-    return kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
-
-
-def _text_of(error: BaseException) -> str:
-    try:
-        return str(error)
-    except Exception as failure:  # a broken __str__ must not cost the report
-        return f"<str() of the exception raised {type(failure).__name__}>"
-
-
-def _user_traceback(error: BaseException) -> str:
-    """The traceback as the user should see it: their frames only, not accelnb's (any
-    subpackage) nor those of the cloudpickle calls accelnb makes; chained exceptions too."""
-    try:
-        shown = traceback.TracebackException(type(error), error, error.__traceback__, compact=True)
-        _drop_machinery_frames(shown, set())
-        return "".join(shown.format())
-    except Exception:  # a pathological exception must not cost the report
-        return f"{_type_name(type(error))}: {_text_of(error)}\n"
-
-
-def _drop_machinery_frames(shown: traceback.TracebackException, seen: set[int]) -> None:
-    if id(shown) in seen:
-        return
-    seen.add(id(shown))
-    frames = list(shown.stack)
-    while frames and frames[0].filename.startswith((_PACKAGE_ROOT, _CLOUDPICKLE_ROOT)):
-        frames.pop(0)  # accelnb calling into cloudpickle, down to the user's first frame
-    shown.stack = traceback.StackSummary.from_list(
-        [frame for frame in frames if not frame.filename.startswith(_PACKAGE_ROOT)])
-    nested = [shown.__cause__, shown.__context__, *(getattr(shown, "exceptions", None) or [])]
-    for inner in nested:
-        if inner is not None:
-            _drop_machinery_frames(inner, seen)
-
-
-def _install_streams() -> None:
-    """Fresh, block-buffered text streams over fds 1 and 2; a thread flushes them.
-
-    Line buffering would cost one pipe write per print; a 50 ms flusher keeps output live while
-    a print loop runs at full speed.
-    """
-    sys.stdout = _block_buffered_text(1)
-    sys.stderr = _block_buffered_text(2)
-    sys.__stdout__, sys.__stderr__ = sys.stdout, sys.stderr  # type: ignore[misc]
-
-
-def _block_buffered_text(fd: int) -> io.TextIOWrapper:
-    # 64 KB per pipe write rather than 8 KB: a print-heavy loop makes 8x fewer system calls and
-    # wakes the kernel 8x less often, which is most of what relaying costs it.
-    raw = io.BufferedWriter(io.FileIO(fd, "w", closefd=False), buffer_size=STREAM_BUFFER_BYTES)
-    stream = io.TextIOWrapper(raw, encoding="utf-8", errors="backslashreplace", write_through=False)
-    stream._CHUNK_SIZE = STREAM_BUFFER_BYTES  # type: ignore[attr-defined]  # text-side batching
-    return stream
-
-
-def _start_flusher() -> threading.Event:
-    stop = threading.Event()
-
-    def flush_forever() -> None:
-        while not stop.wait(FLUSH_INTERVAL_S):
-            _flush_streams_and_metrics()
-
-    threading.Thread(target=flush_forever, name="accelnb-flush", daemon=True).start()
-    return stop
 
 
 def _flush_before_dying_of_sigterm(wake: Callable[[], None]) -> threading.Event:
@@ -368,7 +166,7 @@ def _flush_before_dying_of_sigterm(wake: Callable[[], None]) -> threading.Event:
         if not acting.acquire(blocking=False):
             return
         received.set()
-        flushing = threading.Thread(target=_flush_streams_and_metrics, daemon=True)
+        flushing = threading.Thread(target=flush_streams_and_metrics, daemon=True)
         flushing.start()
         flushing.join(SIGTERM_FLUSH_LIMIT_S)
         if signal.getsignal(signal.SIGTERM) is die_after_flushing:
@@ -436,15 +234,6 @@ def _die_of_sigterm() -> None:
     signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
 
 
-def _flush_streams_and_metrics() -> None:
-    report.flush()
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # a user may have replaced or closed the stream
-            pass
-
-
 def _start_inbox_reader(inbox_fd: int, commands: queue.Queue[Any]) -> None:
     """Commands arrive on a thread, so that end of file (the kernel died) ends us at once."""
     inbox = channel.MessageReceiver(socket.socket(fileno=inbox_fd))
@@ -467,13 +256,6 @@ def _start_inbox_reader(inbox_fd: int, commands: queue.Queue[Any]) -> None:
     threading.Thread(target=read_forever, name="accelnb-inbox", daemon=True).start()
 
 
-def _chdir_quietly(path: str) -> None:
-    try:
-        os.chdir(path)
-    except OSError:
-        pass
-
-
 def _finish(flusher: threading.Event) -> None:
     flusher.set()
-    _flush_streams_and_metrics()
+    flush_streams_and_metrics()

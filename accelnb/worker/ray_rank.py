@@ -1,8 +1,8 @@
 """One rank as a Ray actor: the worker's own set-up, calls and reports, over Ray's channels.
 
 A rank on another machine cannot inherit pipes from the kernel, so this actor does what
-``worker/main.py`` does with the pieces ``worker/main.py`` is made of (environment, join barrier,
-running a call, cleaning the user's traceback, pickling values for the kernel), and sends what a
+``worker/main.py`` does with the same rank body, ``worker/rank_body.py`` (environment, join
+barrier, running a call, cleaning the user's traceback, pickling values for the kernel), and sends what a
 local worker writes to its pipes as events into a queue the kernel drains through
 :meth:`RankActor.events`, a method Ray runs beside the call (``max_concurrency``). Everything that
 crosses the network is a Ray task argument or return value: no socket of ours carries pickle.
@@ -43,15 +43,15 @@ from accelnb.wire.buffers import Packed
 from accelnb.wire.events import CallError, CallResult, Joined, OutputChunk, RunCall
 from accelnb.wire.spec import WorkerSpec
 from accelnb.worker import report, restarts
-from accelnb.worker.main import (
-    _chdir_quietly,
-    _compile_in_process,
-    _describe_error,
-    _flush_streams_and_metrics,
-    _install_streams,
-    _join_process_group,
-    _run_call,
-    _start_flusher,
+from accelnb.worker.rank_body import (
+    chdir_quietly,
+    compile_in_process,
+    describe_error,
+    flush_streams_and_metrics,
+    install_streams,
+    join_process_group,
+    run_call,
+    start_flusher,
 )
 
 EVENTS_PER_POLL = 256  # one poll answer stays small under an output flood
@@ -131,8 +131,8 @@ class RankActor:
             self._events.send(Joined(spec.rank))
         except BaseException as error:  # the kernel shows the cause
             self._set_up_failed = True
-            _flush_streams_and_metrics()
-            self._events.send(_describe_error(spec.rank, None, error))
+            flush_streams_and_metrics()
+            self._events.send(describe_error(spec.rank, None, error))
         finally:
             if self._store_socket is not None:
                 self._store_socket.close()  # the TCPStore holds its own copy of the fd
@@ -142,22 +142,22 @@ class RankActor:
 
     def _set_up(self, spec: WorkerSpec) -> None:
         os.environ.update(spec.env)
-        _chdir_quietly(spec.cwd)
+        chdir_quietly(spec.cwd)
         sys.path.extend(p for p in spec.sys_path if p not in sys.path and os.path.isdir(p))
         self._capture_output(spec.rank)
-        _install_streams()
+        install_streams()
         faulthandler.enable(file=2, all_threads=True)
         report.attach(self._events, spec.rank)
         restarts.attach(spec.restart_count)
-        _start_flusher()
+        start_flusher()
 
         import torch
         import torch.distributed as dist
 
         torch.set_num_threads(max(1, spec.threads_per_rank))
-        _compile_in_process()
+        compile_in_process()
         store_fd = self._store_socket.fileno() if self._store_socket is not None else None
-        _join_process_group(spec, store_fd, torch, dist)
+        join_process_group(spec, store_fd, torch, dist)
 
     def _capture_output(self, rank: int) -> None:
         """Point fds 1 and 2 at pipes a thread reads: C and C++ output (gloo, NCCL) comes too,
@@ -197,7 +197,7 @@ class RankActor:
             return  # the set-up's error is in the events already
         self._call_thread = threading.get_ident()
         try:
-            _run_call(self._rank, RunCall(call_id, payload, value_ranks), self._events)
+            run_call(self._rank, RunCall(call_id, payload, value_ranks), self._events)
         finally:
             self._end_call()
 

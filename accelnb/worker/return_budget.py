@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 # 256 MiB: a "256 MB" tensor as people make one (torch.zeros(64 * 2**20)) still comes back.
-DEFAULT_RETURN_LIMIT = 256 * 2**20
 _MAX_OBJECTS_WALKED = 200_000  # a list of a million small objects is estimated from its first part
 
 
