@@ -2,7 +2,9 @@
 # Each first runs scripts/setup, which is idempotent and fast once done.
 PY := .venv/bin/python
 
-.PHONY: setup demo test lint typecheck soak bench
+DIST := dist
+
+.PHONY: setup demo test lint typecheck soak bench dist wheel
 
 setup:
 	@bash scripts/setup
@@ -29,3 +31,25 @@ bench: setup
 	$(PY) benchmarks/bench_data.py --write
 	$(PY) -m pip install -q "ray[train]>=2.40"  # benchmark-only peer of cluster="ray": Ray Train's TorchTrainer
 	$(PY) benchmarks/bench_ray.py  # needs root for network namespaces; says why when it skips
+
+# What a user installs into an environment they already have (README, "Into an environment you
+# already have"): the wheel, and an sdist, which carries the built JupyterLab extension so that a
+# wheel built from it needs no node. Neither build runs jlpm: the hatch-jupyter-builder hook skips
+# the build when accelnb/labextension/static/style.js exists, however old it is, so the rule below
+# rebuilds the extension first if its sources changed since. pip puts the build requirements
+# (hatchling, hatch-jupyter-builder, jupyterlab) in a throw-away environment, from its cache once
+# it has them.
+dist: setup accelnb/labextension/static/style.js
+	rm -rf $(DIST)
+	$(MAKE) --no-print-directory wheel
+	$(PY) -m pip install -q build  # packaging-only peer: pip builds wheels, not sdists
+	$(PY) -m build -q --sdist --outdir $(DIST) .
+
+# The wheel alone, without setup: tests/test_install.py builds the wheel it installs with this
+# (`make wheel PY=... DIST=...`), so the test and `make dist` cannot build different things.
+wheel:
+	$(PY) -m pip wheel -q --no-deps --wheel-dir $(DIST) .
+
+accelnb/labextension/static/style.js: $(wildcard labextension/src/*.ts labextension/style/* labextension/schema/*) labextension/package.json
+	bash scripts/build-labextension
+	touch $@

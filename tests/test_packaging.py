@@ -2,7 +2,8 @@
 
 The test suite runs from the venv that ``scripts/setup`` made with ``pip install -e .``; the
 extension must be there as JupyterLab finds it, with the settings schema that puts the GPUs item
-on every notebook's toolbar.
+on every notebook's toolbar. ``tests/test_install.py`` checks the same schema in an environment
+that a wheel of this checkout was installed into.
 """
 
 from __future__ import annotations
@@ -12,10 +13,18 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import jupyter_core.paths
 
 EXTENSION = "accelnb-labextension"
+GPUS_TOOLBAR_ITEM = {"name": "accelnb-gpus", "rank": 990}
+
+
+def toolbar_items(extension_dir: Path) -> list[Any]:
+    """The notebook toolbar items that the installed extension in ``extension_dir`` declares."""
+    schema = json.loads((extension_dir / "schemas" / EXTENSION / "gpu-panel.json").read_text())
+    return list(schema["jupyter.lab.toolbars"]["Notebook"])
 
 
 def test_jupyterlab_lists_the_extension_as_enabled_and_ok() -> None:
@@ -29,5 +38,4 @@ def test_the_installed_extension_declares_its_toolbar_item() -> None:
     installed = [Path(p) / EXTENSION for p in jupyter_core.paths.jupyter_path("labextensions")
                  if (Path(p) / EXTENSION).is_dir()]
     assert installed, "accelnb's JupyterLab extension is not installed: run scripts/setup"
-    schema = json.loads((installed[0] / "schemas" / EXTENSION / "gpu-panel.json").read_text())
-    assert {"name": "accelnb-gpus", "rank": 990} in schema["jupyter.lab.toolbars"]["Notebook"]
+    assert GPUS_TOOLBAR_ITEM in toolbar_items(installed[0])
