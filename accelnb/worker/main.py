@@ -38,14 +38,13 @@ from typing import Any
 from accelnb.wire import channel
 from accelnb.wire.events import InputReply, Joined, RunCall, Shutdown
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import rank_debugger, rank_input, report, restarts
+from accelnb.worker import process_group, rank_debugger, rank_input, report, restarts
 from accelnb.worker.rank_body import (
     chdir_quietly,
     compile_in_process,
     describe_error,
     flush_streams_and_metrics,
     install_streams,
-    join_process_group,
     run_call,
     start_flusher,
 )
@@ -130,7 +129,7 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
 
     torch.set_num_threads(max(1, spec.threads_per_rank))
     compile_in_process()
-    join_process_group(spec, store_fd, torch, dist)
+    process_group.join_default_group(spec, store_fd, torch, dist)
     return terminating, flusher
 
 

@@ -8,15 +8,14 @@ they receive calls and send events; everything else they do alike, with the func
   (:func:`install_streams`), flushed with the metrics every 50 ms by a thread
   (:func:`start_flusher`) and at every end of a call (:func:`flush_streams_and_metrics`);
 - the rank's place: the kernel's working directory (:func:`chdir_quietly`), ``torch.compile``
-  in the rank (:func:`compile_in_process`), the default process group joined on the launch's
-  store, and every rank waiting for the others (:func:`join_process_group`);
+  in the rank (:func:`compile_in_process`); the default process group is ``worker/process_group.py``;
 - a call: the function run on the unpickled arguments, its value or its exception sent back
   as an event, the exception's traceback cut to the user's frames (:func:`run_call`,
   :func:`describe_error`).
 
     >>> events = channel.MessageWriter(sock)                    # doctest: +SKIP
     >>> install_streams(); start_flusher()                      # doctest: +SKIP
-    >>> join_process_group(spec, store_fd, torch, dist)         # doctest: +SKIP
+    >>> process_group.join_default_group(spec, store_fd, torch, dist)   # doctest: +SKIP
     >>> run_call(spec.rank, call, events)                       # doctest: +SKIP
 """
 
@@ -30,7 +29,6 @@ import sys
 import threading
 import time
 import traceback
-from datetime import timedelta
 from typing import Any
 
 import cloudpickle
@@ -38,8 +36,7 @@ import cloudpickle
 from accelnb.wire import buffers, channel
 from accelnb.wire.events import CallError, CallResult, RunCall
 from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_kernel
-from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import rank_debugger, report
+from accelnb.worker import process_group, rank_debugger, report
 
 # accelnb/ with a trailing separator: frames under it are ours, whichever subpackage.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -47,12 +44,6 @@ _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os
 _CLOUDPICKLE_ROOT = os.path.dirname(os.path.abspath(cloudpickle.__file__)) + os.sep
 FLUSH_INTERVAL_S = 0.05
 STREAM_BUFFER_BYTES = 1 << 16
-# Rendezvous, and the default timeout of every collective: a rank waiting longer than this in a
-# barrier or all_reduce raises instead of hanging.
-PROCESS_GROUP_TIMEOUT_S = 300.0
-# Keys of the join barrier in the launch's TCPStore (torch's own keys carry a "default_pg/" prefix).
-_JOINED_KEY = "accelnb/joined"
-_ALL_JOINED_KEY = "accelnb/all-joined"
 
 
 def compile_in_process() -> None:
@@ -77,6 +68,7 @@ def run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
     """Run one call; True when it returned normally and its value (if wanted) went back."""
     value = None
     _register_sources(call.sources)
+    process_group.ensure_default_group()  # a session's earlier call may have destroyed it
     try:
         # Big arguments are rebuilt over the shared pages the kernel wrote once for all ranks,
         # mapped copy-on-write: this rank may write into them without affecting anyone else.
@@ -108,45 +100,6 @@ def _register_sources(sources: tuple[tuple[str, str], ...]) -> None:
         if filename not in linecache.cache:
             lines = text.splitlines(keepends=True)
             linecache.cache[filename] = (len(text), None, lines, filename)
-
-
-def join_process_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist: Any) -> None:
-    timeout = timedelta(seconds=PROCESS_GROUP_TIMEOUT_S)
-    device_id = None
-    if spec.device.startswith("cuda"):
-        device_id = torch.device(spec.device)
-        torch.cuda.set_device(device_id)
-    store = dist.TCPStore(
-        spec.master_addr,
-        spec.master_port,
-        spec.world_size,
-        is_master=spec.rank == 0,
-        timeout=timeout,
-        wait_for_workers=False,
-        master_listen_fd=store_fd,
-    )
-    kwargs: dict[str, Any] = {"store": store, "rank": spec.rank, "world_size": spec.world_size,
-                              "timeout": timeout}
-    if device_id is not None and spec.backend == "nccl":
-        kwargs["device_id"] = device_id
-    dist.init_process_group(spec.backend, **kwargs)
-    _wait_until_every_rank_joined(store, spec.world_size)
-
-
-def _wait_until_every_rank_joined(store: Any, world_size: int) -> None:
-    """Return only once every rank's ``init_process_group`` has returned.
-
-    ``init_process_group`` can return on one rank while a peer is still finishing its side of the
-    connections (gloo's ``connectFullMesh``): this rank is connected, the peer still reads the
-    handshake. A function that tears the group down at once (Accelerate's ``end_training()``
-    calls ``destroy_process_group()``) then closes the socket under the peer, whose set-up fails
-    with "Connection closed by peer" (seen in about 1 launch in 70 under CPU load). So no rank
-    runs user code before all have joined. A store counter, not ``dist.barrier()``: no collective
-    on the device (NCCL would allocate), and not torch's ``TORCH_DIST_INIT_BARRIER``, which polls.
-    """
-    if store.add(_JOINED_KEY, 1) == world_size:
-        store.set(_ALL_JOINED_KEY, b"1")
-    store.wait([_ALL_JOINED_KEY])
 
 
 def describe_error(rank: int, call_id: int | None, error: BaseException) -> CallError:

@@ -42,14 +42,13 @@ from accelnb.wire import channel
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import CallError, CallResult, Joined, OutputChunk, RunCall
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import report, restarts
+from accelnb.worker import process_group, report, restarts
 from accelnb.worker.rank_body import (
     chdir_quietly,
     compile_in_process,
     describe_error,
     flush_streams_and_metrics,
     install_streams,
-    join_process_group,
     run_call,
     start_flusher,
 )
@@ -157,7 +156,7 @@ class RankActor:
         torch.set_num_threads(max(1, spec.threads_per_rank))
         compile_in_process()
         store_fd = self._store_socket.fileno() if self._store_socket is not None else None
-        join_process_group(spec, store_fd, torch, dist)
+        process_group.join_default_group(spec, store_fd, torch, dist)
 
     def _capture_output(self, rank: int) -> None:
         """Point fds 1 and 2 at pipes a thread reads: C and C++ output (gloo, NCCL) comes too,

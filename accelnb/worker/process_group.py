@@ -1,0 +1,205 @@
+"""A rank's default process group: the one accelnb makes, and the one the code asks for.
+
+A rank joins the default group before any code runs, so that code written for accelnb (or for
+no launcher at all) finds ``dist.get_rank()`` and ``all_reduce`` ready. Code written for
+torchrun, ``mp.spawn`` or the PyTorch tutorials calls ``dist.init_process_group(...)`` itself,
+and torch allows one default group: the second call raised "trying to initialize the default
+process group twice!". So the rank's ``init_process_group`` is accelnb's (:func:`install`),
+which reconciles the two deliberately:
+
+- the code asks for what the group already is (no backend, or the same one; no timeout, or the
+  same one; no ``device_id``, or the rank's device): the group is adopted as it is, and nothing
+  is torn down or reconnected;
+- the code asks for something else (another backend, its own ``timeout``, ``pg_options``, a
+  ``device_id``): accelnb's group is destroyed and the code's request is made, on the launch's
+  own store (under a fresh key prefix), with the launch's rank and world size. The code's
+  ``init_method``, ``store``, ``MASTER_ADDR`` and ``MASTER_PORT`` are not used: the tutorial's
+  fixed port 12355 would collide between two launches, and the launch's store is already bound
+  and private to it. What the code asks the group to *be* is honoured; where it rendezvous is
+  accelnb's business;
+- a ``rank`` or ``world_size`` that contradicts the launch is an error naming both numbers
+  (the launch started N ranks; a group of another size would hang at its first collective);
+- ``destroy_process_group()`` works as in torch; in a persistent session, the next call finds a
+  group again (:func:`ensure_default_group`).
+
+Why not create no group and let the code make it (as torchrun does, with
+``TORCHELASTIC_USE_AGENT_STORE``)? Code that never calls ``init_process_group`` (every accelnb
+example, ``%%distributed`` cells) would then find none. Why not make the group lazily, when the
+code first touches it? torch has no public hook for that.
+
+The group accelnb makes uses torch's default timeout for its backend (10 min for NCCL, 30 for
+gloo), not a hidden one of ours.
+
+Only the name ``init_process_group`` is replaced, in ``torch.distributed`` and in
+``torch.distributed.distributed_c10d`` where torch defines it (a function pickled from the
+notebook, or imported with ``from torch.distributed import init_process_group`` in the rank,
+resolves to it), and only in the rank; the original is called with its own signature
+(``inspect.signature(...).bind``), so a new keyword in a torch release passes through.
+``tests/test_process_group.py`` checks the names and parameters this relies on.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from accelnb.wire.spec import WorkerSpec
+
+# The rendezvous: how long a rank waits for the store and for its peers to join.
+STORE_TIMEOUT_S = 300.0
+# Keys of the join barrier in the launch's TCPStore (torch's own keys carry a "default_pg/" prefix).
+_JOINED_KEY = "accelnb/joined"
+_ALL_JOINED_KEY = "accelnb/all-joined"
+
+
+@dataclass
+class _Launched:
+    """What the launch decided for this rank's group, and what the group is now."""
+
+    spec: WorkerSpec
+    store: Any  # the launch's TCPStore (rank 0 holds its listening socket)
+    device_id: Any  # torch.device for an NCCL rank on a GPU, else None
+    original_init: Callable[..., None]
+    generation: int = 0  # groups made so far on this store: each gets its own key prefix
+    ours: bool = False  # the default group is the one accelnb made (not the code's own)
+
+
+_launched: _Launched | None = None
+
+
+def join_default_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist: Any) -> None:
+    """Connect to the launch's store, join the default group, wait until every rank has, and
+    route the code's own ``init_process_group`` calls here (:func:`install`)."""
+    global _launched
+    from datetime import timedelta
+
+    device_id = None
+    if spec.device.startswith("cuda"):
+        device_id = torch.device(spec.device)
+        torch.cuda.set_device(device_id)
+    store = dist.TCPStore(
+        spec.master_addr,
+        spec.master_port,
+        spec.world_size,
+        is_master=spec.rank == 0,
+        timeout=timedelta(seconds=STORE_TIMEOUT_S),
+        wait_for_workers=False,
+        master_listen_fd=store_fd,
+    )
+    original = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)  # torch's, even if installed
+    _launched = _Launched(spec, store, device_id if spec.backend == "nccl" else None, original)
+    _make_accelnb_group(dist)
+    install(dist)
+
+
+def ensure_default_group() -> None:
+    """Before a call of a persistent session: the code of an earlier call may have destroyed the
+    default group; make accelnb's again, so that this call finds one (every rank runs this)."""
+    import torch.distributed as dist
+
+    if _launched is not None and not dist.is_initialized():
+        _make_accelnb_group(dist)
+
+
+def install(dist: Any) -> None:
+    """Replace ``init_process_group`` in this rank by :func:`_init_process_group_in_a_launch`."""
+    import torch.distributed.distributed_c10d as c10d
+
+    assert _launched is not None
+    adopting = functools.wraps(_launched.original_init)(_init_process_group_in_a_launch)
+    dist.init_process_group = adopting
+    c10d.init_process_group = adopting  # type: ignore[assignment]
+
+
+def _make_accelnb_group(dist: Any) -> None:
+    assert _launched is not None
+    spec = _launched.spec
+    kwargs: dict[str, Any] = {}
+    if _launched.device_id is not None:
+        kwargs["device_id"] = _launched.device_id
+    _init_on_launch_store(dist, spec.backend, **kwargs)  # timeout: torch's default for the backend
+    _launched.ours = True
+
+
+def _init_on_launch_store(dist: Any, backend: Any, **requested: Any) -> None:
+    """The original ``init_process_group`` on the launch's store, then every rank waits for all.
+
+    Every rank makes the same calls in the same order, so generation numbers agree across ranks
+    and each group's keys have a prefix of their own on the shared store.
+    """
+    assert _launched is not None
+    _launched.generation += 1
+    prefix = f"accelnb/group-{_launched.generation}/"
+    store = dist.PrefixStore(prefix, _launched.store)
+    spec = _launched.spec
+    _launched.original_init(backend, store=store, rank=spec.rank, world_size=spec.world_size, **requested)
+    _wait_until_every_rank_joined(store, spec.world_size)
+
+
+def _wait_until_every_rank_joined(store: Any, world_size: int) -> None:
+    """Return only once every rank's ``init_process_group`` has returned.
+
+    ``init_process_group`` can return on one rank while a peer is still finishing its side of the
+    connections (gloo's ``connectFullMesh``): this rank is connected, the peer still reads the
+    handshake. A function that tears the group down at once (Accelerate's ``end_training()``
+    calls ``destroy_process_group()``) then closes the socket under the peer, whose set-up fails
+    with "Connection closed by peer" (seen in about 1 launch in 70 under CPU load). So no rank
+    runs user code before all have joined. A store counter, not ``dist.barrier()``: no collective
+    on the device (NCCL would allocate), and not torch's ``TORCH_DIST_INIT_BARRIER``, which polls.
+    """
+    if store.add(_JOINED_KEY, 1) == world_size:
+        store.set(_ALL_JOINED_KEY, b"1")
+    store.wait([_ALL_JOINED_KEY])
+
+
+def _init_process_group_in_a_launch(*args: Any, **kwargs: Any) -> None:
+    """``torch.distributed.init_process_group`` inside an accelnb launch (see the module docstring)."""
+    import torch.distributed as dist
+
+    assert _launched is not None
+    asked = inspect.signature(_launched.original_init).bind(*args, **kwargs).arguments
+    _refuse_other_numbers(asked)
+    requested = {name: asked[name] for name in ("timeout", "pg_options", "device_id", "group_name")
+                 if asked.get(name) not in (None, "")}
+    backend = asked.get("backend")
+    if dist.is_initialized():
+        if not _launched.ours:  # the code's own second call: torch's own error
+            _launched.original_init(*args, **kwargs)
+            return
+        if _adoptable(dist, backend, requested):
+            return
+        dist.destroy_process_group()
+        _launched.ours = False
+    _init_on_launch_store(dist, backend if backend is not None else _launched.spec.backend, **requested)
+
+
+def _refuse_other_numbers(asked: dict[str, Any]) -> None:
+    assert _launched is not None
+    spec = _launched.spec
+    for name, launched in (("world_size", spec.world_size), ("rank", spec.rank)):
+        given = asked.get(name, -1)
+        if given not in (-1, None) and int(given) != launched:
+            raise ValueError(
+                f"init_process_group({name}={given}) on rank {spec.rank}, but this launch gave this "
+                f"process {name} {launched} ({spec.world_size} ranks in all). Leave {name} out (the "
+                f"launch's is used), or launch with num_processes={given if name == 'world_size' else 'N'}.")
+
+
+def _adoptable(dist: Any, backend: Any, requested: dict[str, Any]) -> bool:
+    """Whether the group accelnb made already is what the code asks for."""
+    assert _launched is not None
+    if set(requested) - {"device_id", "group_name"}:
+        return False  # its own timeout or options: make the group it describes
+    device_id = requested.get("device_id")
+    if device_id is not None and _launched.device_id is None:
+        return False  # NCCL bound to a device (eager init): ours was not
+    if device_id is not None and _device_index(device_id) != _device_index(_launched.device_id):
+        return False
+    return backend is None or str(backend).lower() == str(dist.get_backend()).lower()
+
+
+def _device_index(device: Any) -> int | None:
+    return device if isinstance(device, int) else getattr(device, "index", None)

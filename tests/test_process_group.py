@@ -1,0 +1,180 @@
+"""Code that makes its own process group runs unchanged (``worker/process_group.py``).
+
+Real launches of 2 CPU ranks (gloo). The training code is written the way the PyTorch DDP
+tutorial and pytorch/examples' ddp-tutorial-series write it: a ``setup()`` that sets
+``MASTER_ADDR``/``MASTER_PORT`` and calls ``init_process_group(backend, rank=rank,
+world_size=world_size)``, a DDP model, a step, ``destroy_process_group()``; and the torchrun
+style, ``init_process_group(backend="gloo")`` with everything from the environment, the names
+imported with ``from torch.distributed import ...``. Before this, every one of them failed at
+once with "trying to initialize the default process group twice!".
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+import torch.nn as nn
+from torch.distributed import destroy_process_group, init_process_group
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import accelnb
+from accelnb import RankFailed, Session, launch
+from tests.conftest import error_of, run_notebook, stream_text
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+
+# ── the tutorial's shape ──────────────────────────────────────────────────────────────────────
+class ToyModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net1 = nn.Linear(10, 10)
+        self.relu = nn.ReLU()
+        self.net2 = nn.Linear(10, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net2(self.relu(self.net1(x)))
+
+
+def setup(rank: int, world_size: int) -> None:
+    os.environ["MASTER_ADDR"] = "localhost"
+    os.environ["MASTER_PORT"] = "12355"  # fixed, as in the tutorial: two launches at once would collide on it
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+
+
+def cleanup() -> None:
+    dist.destroy_process_group()
+
+
+def demo_basic(rank: int, world_size: int) -> list[float]:
+    setup(rank, world_size)
+    torch.manual_seed(0)
+    model = ToyModel()
+    ddp_model = DDP(model)
+    loss_fn = nn.MSELoss()
+    optimizer = torch.optim.SGD(ddp_model.parameters(), lr=0.001)
+    optimizer.zero_grad()
+    outputs = ddp_model(torch.randn(20, 10) * (rank + 1))
+    loss_fn(outputs, torch.randn(20, 5)).backward()
+    optimizer.step()
+    weights = [round(float(w), 6) for w in model.net2.weight.flatten()[:3]]
+    cleanup()
+    return weights
+
+
+def run_demo_basic() -> list[float]:
+    return demo_basic(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
+
+
+def test_the_tutorials_setup_and_cleanup_run_unchanged() -> None:
+    result = launch(run_demo_basic, num_processes=2, quiet=True, collect="all")
+    # DDP averaged the gradients: both ranks hold the same weights after the step.
+    assert result.values[0] == result.values[1]
+
+
+# ── the torchrun script's shape ───────────────────────────────────────────────────────────────
+def ddp_setup() -> None:
+    init_process_group(backend="gloo")  # rank, world size, address: all from the environment
+
+
+def torchrun_style_main(total: int) -> tuple[int, int, float]:
+    ddp_setup()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    value = torch.tensor([float(rank + total)])
+    dist.all_reduce(value)
+    destroy_process_group()
+    return rank, world, float(value.item())
+
+
+def test_a_torchrun_scripts_init_and_destroy_run_unchanged() -> None:
+    result = launch(torchrun_style_main, args=(10,), num_processes=2, quiet=True, collect="all")
+    assert result.values == {0: (0, 2, 21.0), 1: (1, 2, 21.0)}
+
+
+# ── what the code asks for is honoured ────────────────────────────────────────────────────────
+def waits_in_a_barrier_the_other_rank_skips(seconds: float) -> None:
+    dist.init_process_group("gloo", timeout=timedelta(seconds=seconds))
+    if dist.get_rank() == 0:
+        dist.barrier()  # rank 1 never comes: the code's own timeout must end this
+
+
+def test_the_codes_own_timeout_is_the_groups() -> None:
+    started = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        launch(waits_in_a_barrier_the_other_rank_skips, args=(2.0,), num_processes=2, quiet=True)
+    took = time.monotonic() - started
+    assert failed.value.failures[0].rank == 0
+    assert took < 60, f"the barrier waited {took:.0f} s: the code's timeout of 2 s was not the group's"
+
+
+def asks_for_four_ranks() -> None:
+    dist.init_process_group("gloo", rank=dist.get_rank() if dist.is_initialized() else 0, world_size=4)
+
+
+def test_a_world_size_that_contradicts_the_launch_names_both_numbers() -> None:
+    with pytest.raises(RankFailed) as failed:
+        launch(asks_for_four_ranks, num_processes=2, quiet=True)
+    message = str(failed.value)
+    assert "init_process_group(world_size=4)" in message and "(2 ranks in all)" in message, message
+
+
+def destroys_the_group() -> str:
+    dist.destroy_process_group()
+    return "destroyed"
+
+
+def sums_ranks() -> float:
+    value = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(value)
+    return float(value.item())
+
+
+def test_a_session_has_a_group_again_after_the_code_destroyed_it() -> None:
+    with Session.start(num_processes=2) as session:
+        assert session.run(destroys_the_group, collect="all").values == {0: "destroyed", 1: "destroyed"}
+        assert session.run(sums_ranks, collect="all").values == {0: 1.0, 1: 1.0}
+        assert session.run(torchrun_style_main, (0,), collect="all").values == {0: (0, 2, 1.0), 1: (1, 2, 1.0)}
+        assert session.run(sums_ranks).value == 1.0  # and again after the code's own group went
+
+
+# ── from a notebook cell, the names imported in the kernel ──────────────────────────────────
+CELL_IMPORTS = """
+import torch, accelnb
+import torch.distributed as dist
+from torch.distributed import init_process_group, destroy_process_group
+"""
+
+CELL_TRAINS = """
+def main():
+    init_process_group(backend="gloo")
+    value = torch.ones(1) * (dist.get_rank() + 1)
+    dist.all_reduce(value)
+    destroy_process_group()
+    return value.item()
+
+print(sorted(accelnb.launch(main, num_processes=2, quiet=True, collect="all").values.items()))
+"""
+
+
+def test_a_cells_function_with_names_imported_in_the_kernel() -> None:
+    outputs = run_notebook([CELL_IMPORTS, CELL_TRAINS])
+    assert error_of(outputs[1]) is None, outputs[1]
+    assert stream_text(outputs[1]).strip() == "[(0, 3.0), (1, 3.0)]"
+
+
+# ── what this relies on in torch ─────────────────────────────────────────────────────────────
+def test_torch_still_has_what_the_rank_replaces() -> None:
+    print("torch", torch.__version__)
+    assert dist.init_process_group is c10d.init_process_group  # one function, two names
+    parameters = inspect.signature(c10d.init_process_group).parameters
+    for name in ("backend", "init_method", "timeout", "world_size", "rank", "store", "pg_options", "device_id"):
+        assert name in parameters, f"torch's init_process_group has no {name!r} any more"
+    assert callable(dist.PrefixStore) and callable(dist.TCPStore) and callable(dist.destroy_process_group)
+    assert accelnb.launch is not None
