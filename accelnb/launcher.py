@@ -12,10 +12,12 @@ metric history and the output; ``notebook_launcher`` returns rank 0's value (its
 parameters match Accelerate's ``notebook_launcher``, so it is a drop-in replacement). ``plan``
 shows what a launch with the same options would run, without starting anything.
 
-Every keyword is an option described once in :mod:`accelnb.options`. This module is the
-composition root: it resolves the picker's default selection (so the planner stays pure), wires
-the notebook's displays into the engine, and orders the work so that bad input fails before
-anything starts: check the options, plan (raises on a selection that does not fit the GPUs),
+Every keyword is an option described once in :mod:`accelnb.options`, and settled once
+(:func:`accelnb.options.settle`: the picker's default selection, the Accelerate config file)
+into the one object every later step reads, local and cluster launches alike. This module is the
+composition root: it wires the notebook's displays into the engine, and orders the work so that
+bad input fails before anything starts: check and settle the options, plan (raises on a
+selection that does not fit the GPUs),
 read the thread budget, pickle the call (raises naming an unpicklable argument), open the
 TensorBoard log of ``log_dir=`` (raises if tensorboard is not installed), bind the rendezvous
 port (raises if a requested one is taken), and only then fork workers from the clean helper
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from accelnb.cluster import ClusterRequest, cluster_backend
@@ -39,9 +40,7 @@ from accelnb.kernel.helper.client import HelperSource, shared_helper
 from accelnb.kernel.helper.payload import pack_call
 from accelnb.kernel.helper.payload_delivery import payload_delivery
 from accelnb.kernel.planning import rank_plan
-from accelnb.kernel.planning.accelerate_config import AccelerateConfig, merge_placement, read_accelerate_config
 from accelnb.kernel.planning.inventory import read_inventory
-from accelnb.kernel.planning.selection import current_selection
 from accelnb.kernel.planning.worker_specs import threads_per_rank
 from accelnb.kernel.run.attempts import run_attempts
 from accelnb.kernel.run.engine import AttemptSink, MetricRoute, MetricsView, last_result, start_workers
@@ -53,8 +52,10 @@ from accelnb.options import (
     START_OPTIONS,
     LaunchKeywords,
     LaunchOptions,
+    SettledOptions,
     StartKeywords,
     documents_options,
+    settle,
 )
 from accelnb.wire.buffers import Packed
 
@@ -129,7 +130,9 @@ def launch(
 def launch_with(function: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, Any] | None,
                 options: LaunchOptions, *, metric_sink: Callable[[Any], None] | None = None) -> LaunchResult:
     """:func:`launch` for callers that already hold a :class:`LaunchOptions` (the magic)."""
-    local_plan = plan_launch(options) if options.cluster == "local" else None  # raises on a bad selection
+    settled = settle(options)  # raises on a bad config file
+    options = settled.options
+    local_plan = plan_launch(settled) if options.cluster == "local" else None  # raises on a bad selection
     payload = pack_call(function, args, kwargs or {})
     sinks: list[AttemptSink] = []
     if metric_sink is not None:
@@ -137,7 +140,7 @@ def launch_with(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
     # The delivery forks nothing yet: a helper of the launch's own is forked by the first start.
     ranks_here = None if local_plan is None else len(local_plan.ranks)
     with payload_delivery(payload, local_ranks=ranks_here) as delivery:
-        start = group_starter(options, persistent=False, helpers=delivery.helpers, the_plan=local_plan)
+        start = group_starter(settled, persistent=False, helpers=delivery.helpers, the_plan=local_plan)
         with metric_route(options, sinks) as route:  # a log_dir= that cannot be written fails here, before start
             return _run_attempts(start, delivery.payload, options, route)
 
@@ -186,58 +189,42 @@ def plan(**options: Unpack[StartKeywords]) -> rank_plan.LaunchPlan:
     return plan_launch(chosen)
 
 
-def plan_launch(options: LaunchOptions) -> rank_plan.LaunchPlan:
-    """Read the Accelerate config file and resolve the picker's default, then hand the pure
-    planner plain values; the file's settings join every rank's environment."""
-    config = read_accelerate_config(options.config_file) if options.config_file is not None else None
-    given, placement = options, None
-    if config is not None:
-        placement = merge_placement(config, gpus=options.gpus, num_processes=options.num_processes,
-                                    cpu=options.cpu, gpus_per_rank=options.gpus_per_rank)
-        options = replace(options, gpus=placement.gpus, num_processes=placement.num_processes, cpu=placement.cpu)
-    resolved = with_picker_default(options)
+def plan_launch(options: LaunchOptions | SettledOptions) -> rank_plan.LaunchPlan:
+    """The plan of this machine's ranks for ``options`` (settled here unless they are already):
+    the pure planner places the ranks from plain values, then the settled options join every
+    rank's environment."""
+    settled = options if isinstance(options, SettledOptions) else settle(options)
+    placing = settled.options
     try:
-        the_plan = rank_plan.plan(resolved.gpus, resolved.num_processes,
-                                 inventory=resolved.inventory or read_inventory(), cpu=resolved.cpu,
-                                 backend=resolved.backend, mixed_precision=resolved.mixed_precision,
-                                 gpus_per_rank=resolved.gpus_per_rank)
+        the_plan = rank_plan.plan(placing.gpus, placing.num_processes, inventory=placing.inventory or read_inventory(),
+                                  cpu=placing.cpu, backend=placing.backend, gpus_per_rank=placing.gpus_per_rank)
     except LaunchConfigError as error:
-        if placement is None or not placement.from_file:
+        if not settled.from_file:
             raise
-        raise type(error)(f"{error} ({', '.join(placement.from_file)} from {options.config_file})") from None
-    if config is None or placement is None:
-        return the_plan
-    return the_plan.with_env(config.env, note=config.describe(placement.from_file, _overridden(config, given)))
+        raise type(error)(f"{error} ({', '.join(settled.from_file)} from {placing.config_file})") from None
+    return the_plan.with_options(settled.rank_options, notes=settled.notes)
 
 
-def _overridden(config: AccelerateConfig, given: LaunchOptions) -> tuple[str, ...]:
-    """The file's settings that keywords given beside it replaced."""
-    pairs = (("gpus", config.gpu_ids), ("num_processes", config.num_processes),
-             ("mixed_precision", config.mixed_precision if config.mixed_precision != "no" else None))
-    return tuple(name for name, in_file in pairs if in_file is not None and getattr(given, name) not in (None, in_file))
-
-
-def group_starter(options: LaunchOptions, *, persistent: bool, helpers: HelperSource = shared_helper,
+def group_starter(settled: SettledOptions, *, persistent: bool, helpers: HelperSource = shared_helper,
                   the_plan: rank_plan.LaunchPlan | None = None) -> Callable[[int], RankGroup]:
-    """What starts the ranks of ``options`` (given a restart count), once everything that can be
+    """What starts the ranks of ``settled`` (given a restart count), once everything that can be
     checked before anything starts has been: this machine's plan (``the_plan``, if the caller
     made it already), or the cluster backend's checks (Ray installed, a cluster reachable and big
     enough). Local workers are forked by a helper from ``helpers``."""
+    options = settled.options
     if options.cluster != "local":
         backend = cluster_backend(options.cluster)
-        request = ClusterRequest(num_processes=options.num_processes, nodes=options.nodes,
-                                 gpus_per_node=options.gpus_per_node, cpu=options.cpu, backend=options.backend,
-                                 mixed_precision=options.mixed_precision, quiet=options.quiet)
+        request = settled.view(ClusterRequest)
         backend.check(request)
         return lambda restart_count: backend.start(request, persistent=persistent, restart_count=restart_count)
-    local_plan = the_plan or plan_launch(options)
+    local_plan = the_plan or plan_launch(settled)
     return lambda restart_count: start_group(local_plan, options, persistent=persistent, restart_count=restart_count,
                                              helpers=helpers)
 
 
 def check_launch(options: LaunchOptions) -> None:
     """Raise what a launch with ``options`` would raise before starting anything."""
-    group_starter(options, persistent=False)
+    group_starter(settle(options), persistent=False)
 
 
 def start_group(the_plan: rank_plan.LaunchPlan, options: LaunchOptions, *, persistent: bool,
@@ -249,18 +236,6 @@ def start_group(the_plan: rank_plan.LaunchPlan, options: LaunchOptions, *, persi
         preflight(the_plan)
     return start_workers(the_plan, options.master_port, persistent=persistent, quiet=options.quiet,
                          restart_count=restart_count, helpers=helpers)
-
-
-def with_picker_default(options: LaunchOptions) -> LaunchOptions:
-    """``options`` with the GPU picker's selection filled in where they choose no devices (an
-    Accelerate config file chooses them: its placement, or the planner's default, wins)."""
-    if (options.gpus is not None or options.num_processes is not None or options.cpu or options.config_file
-            or options.cluster != "local"):
-        return options
-    chosen = current_selection()
-    if chosen is None:
-        return options  # the planner's own default: every visible GPU
-    return replace(options, gpus=chosen.gpus, num_processes=chosen.num_processes)
 
 
 def live_metrics_view(all_ranks: bool) -> MetricsView:

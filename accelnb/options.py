@@ -15,9 +15,15 @@ Every entry point builds a :class:`LaunchOptions` and nothing else reads options
   suggestion, before anything starts);
 - ``%%distributed`` and ``%distributed start`` generate their argparse grammars from the field
   metadata below (flag, choices, help), so the magic cannot drift from the API;
-- :mod:`accelnb.launcher` hands the planner plain values from it. ``accelnb.kernel`` may not
-  import this top-level module (``tests/test_layout.py``), and a planner that takes explicit
-  values stays pure and callable without this object.
+- :func:`settle` settles them once, before anything starts, local and cluster launches alike:
+  the GPU picker's default selection, or the Accelerate config file's placement and settings,
+  resolved into one :class:`SettledOptions`, which the launch passes on whole. ``accelnb.kernel``
+  and ``accelnb.cluster`` may not import this top-level module (``tests/test_layout.py``), so
+  what they read of it is a *view* they declare, a dataclass whose fields are named after the
+  options and filled by name (:meth:`SettledOptions.view`): ``RankOptions`` (what every rank's
+  environment gets) and ``ClusterRequest`` (what a cluster backend reads). The planner of this
+  machine's ranks takes its few placement values as plain arguments, and stays callable without
+  this object.
 
 Each option has a *scope*: ``"start"`` options place the ranks and are fixed when workers start
 (a session keeps them), ``"call"`` options apply to each run (``Session.run`` takes only those),
@@ -30,8 +36,11 @@ refuses them (saying why), and a session that loses a rank ends, as before.
 
 Adding an option (``gpus_per_rank``, ``config_file``, ``nodes``, ``max_restarts``, ``log_dir``)
 is one field here, with its ``option(...)`` metadata, plus its line in the keyword dictionary of
-its scope below (a test fails if the two disagree), plus its use. Every entry point, its
-signature, its docstring and the magic's flag follow from that.
+its scope below (a test fails if the two disagree), plus its use: for an option that reaches the
+ranks' environment, a field of ``RankOptions`` and its line in ``rank_environment``
+(``accelnb/kernel/planning/rank_environment.py``); for one a cluster backend reads, a field of
+``ClusterRequest`` and its use there. Every entry point, its signature, its docstring, the
+magic's flag and the road to its use follow from that.
 
 Why ``**options: Unpack[...]`` rather than explicit keywords: written out, the 13 keywords were
 repeated in four signatures and four docstrings that drifted (the magic lacked ``fp8``). With
@@ -50,13 +59,19 @@ import os
 import textwrap
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields, replace
-from typing import Any, Literal, TypedDict, TypeVar, get_args
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, get_args
 
 from accelnb.errors import LaunchConfigError
+from accelnb.kernel.planning.accelerate_config import AccelerateConfig, merge_placement, read_accelerate_config
 from accelnb.kernel.planning.inventory import Inventory
 from accelnb.kernel.planning.ports import check_port
+from accelnb.kernel.planning.rank_environment import RankOptions
 from accelnb.kernel.planning.rank_plan import GpuSpec
+from accelnb.kernel.planning.selection import current_selection
 from accelnb.kernel.run.engine import OutputMode
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 Scope = Literal["start", "call", "launch", "session"]
 CollectMode = Literal["rank0", "all"]
@@ -274,6 +289,86 @@ class LaunchOptions:
             if name not in accepted:
                 raise LaunchConfigError(_refusal(name, accepted, caller))
         return replace(self, **keywords)
+
+
+View = TypeVar("View", bound="DataclassInstance")
+
+
+@dataclass(frozen=True)
+class SettledOptions:
+    """A launch's options once :func:`settle` has resolved every default it can before planning;
+    passed whole from there on, to this machine's planner and a cluster backend alike.
+
+    Code that may not import this module reads a :meth:`view` of it.
+    """
+
+    # Every option, the placement the GPU picker or the Accelerate config file chose filled in:
+    # what the launch reads.
+    options: LaunchOptions
+    # The options as given, the picker's selection filled in: what a session keeps, so that its
+    # restart runs on the same GPUs and reads the config file again.
+    given: LaunchOptions
+    accelerate: AccelerateConfig | None = None  # the config file that config_file= named, read
+    from_file: tuple[str, ...] = ()  # the file's keys that placed the ranks: "gpu_ids", "num_processes", ...
+    overridden: tuple[str, ...] = ()  # the file's settings that keywords given beside it replaced
+
+    @property
+    def accelerate_env(self) -> Mapping[str, str]:
+        """The config file's settings for every rank's environment; empty without a file."""
+        return self.accelerate.env if self.accelerate is not None else {}
+
+    @property
+    def notes(self) -> tuple[str, ...]:
+        """Lines for the start table: where settings came from."""
+        return () if self.accelerate is None else (self.accelerate.describe(self.from_file, self.overridden),)
+
+    @property
+    def rank_options(self) -> RankOptions:
+        """What these options put into every rank's environment."""
+        return self.view(RankOptions)
+
+    def view(self, kind: type[View]) -> View:
+        """``kind`` (a dataclass) with each field set to the settled value of its name: an option,
+        or a property above. How the kernel and the cluster backends read the options without
+        importing this module, and without a caller copying fields by hand."""
+        return kind(**{each.name: self._value(each.name) for each in fields(kind)})
+
+    def _value(self, name: str) -> Any:
+        return getattr(self.options, name) if name in _DEFAULTS else getattr(self, name)
+
+
+def settle(options: LaunchOptions) -> SettledOptions:
+    """Resolve, once and before anything starts, what ``options`` leave to the environment: the
+    Accelerate config file of ``config_file=`` (read and merged with the keywords given beside it,
+    which win; raises on a bad file) or else, where they choose no devices, the GPU picker's
+    selection. What needs the GPU inventory is left to the planner."""
+    if options.config_file is not None:
+        config = read_accelerate_config(options.config_file)
+        placement = merge_placement(config, gpus=options.gpus, num_processes=options.num_processes,
+                                    cpu=options.cpu, gpus_per_rank=options.gpus_per_rank)
+        placed = replace(options, gpus=placement.gpus, num_processes=placement.num_processes, cpu=placement.cpu)
+        return SettledOptions(placed, given=options, accelerate=config, from_file=placement.from_file,
+                              overridden=_overridden(config, options))
+    chosen = _with_picker_default(options)
+    return SettledOptions(chosen, given=chosen)
+
+
+def _with_picker_default(options: LaunchOptions) -> LaunchOptions:
+    """``options`` with the GPU picker's selection filled in where they choose no devices of this
+    machine (without a config file, which chooses them itself)."""
+    if options.gpus is not None or options.num_processes is not None or options.cpu or options.cluster != "local":
+        return options
+    chosen = current_selection()
+    if chosen is None:
+        return options  # the planner's own default: every visible GPU
+    return replace(options, gpus=chosen.gpus, num_processes=chosen.num_processes)
+
+
+def _overridden(config: AccelerateConfig, given: LaunchOptions) -> tuple[str, ...]:
+    """The file's settings that keywords given beside it replaced."""
+    pairs = (("gpus", config.gpu_ids), ("num_processes", config.num_processes),
+             ("mixed_precision", config.mixed_precision if config.mixed_precision != "no" else None))
+    return tuple(name for name, in_file in pairs if in_file is not None and getattr(given, name) not in (None, in_file))
 
 
 def described_fields() -> Iterator[tuple[Field[Any], OptionInfo]]:

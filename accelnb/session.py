@@ -40,7 +40,7 @@ from accelnb.kernel.run.launch_result import LaunchResult
 from accelnb.kernel.run.rank_group import RankGroup
 from accelnb.kernel.run.supervisor import WorkerGroup
 from accelnb.kernel.stacks.live import DEFAULT_WAIT_S, StackDump
-from accelnb.launcher import group_starter, metric_route, with_picker_default
+from accelnb.launcher import group_starter, metric_route
 from accelnb.options import (
     SESSION_CALL_OPTIONS,
     START_OPTIONS,
@@ -48,6 +48,7 @@ from accelnb.options import (
     SessionCallKeywords,
     StartKeywords,
     documents_options,
+    settle,
 )
 
 if TYPE_CHECKING:
@@ -82,10 +83,10 @@ class Session:
     def start_with(cls, options: LaunchOptions) -> Session:
         """:meth:`start` from a :class:`LaunchOptions` (the magic's restart reuses one). Its call
         options, if set, are the defaults of every :meth:`run`."""
-        resolved = with_picker_default(options)
-        group = group_starter(resolved, persistent=True)(0)
+        settled = settle(options)
+        group = group_starter(settled, persistent=True)(0)
         try:
-            return cls(group, resolved)
+            return cls(group, settled.given)
         except BaseException:  # an interrupt before the finalizer holds the group
             group.shutdown()
             raise

@@ -7,6 +7,7 @@ exception came.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import typing
@@ -18,6 +19,10 @@ import pytest
 
 import accelnb
 from accelnb import LaunchConfigError, Session, launch, notebook_launcher, synthetic_inventory
+from accelnb import launcher as launcher_module
+from accelnb.cluster import ClusterRequest
+from accelnb.kernel.planning.rank_environment import RankOptions
+from accelnb.kernel.planning.selection import clear_selection, set_selection
 from accelnb.kernel.planning.worker_specs import threads_per_rank
 from accelnb.options import (
     ALL_OPTIONS,
@@ -32,10 +37,12 @@ from accelnb.options import (
     LaunchOptions,
     RestartKeywords,
     SessionCallKeywords,
+    SettledOptions,
     StartKeywords,
     described_fields,
     keyword_names,
     names_in_scope,
+    settle,
 )
 from tests.conftest import worker_processes
 
@@ -189,3 +196,56 @@ def test_without_omp_num_threads_the_cores_are_shared(monkeypatch: pytest.Monkey
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert threads_per_rank(1) == max(1, os.cpu_count() or 1)
     assert threads_per_rank(4 * (os.cpu_count() or 1)) == 1
+
+
+# ── settled once, passed whole: the views the kernel and the cluster read are filled by name ──
+SETTLED_PROPERTIES = {name for name, value in vars(SettledOptions).items() if isinstance(value, property)}
+
+
+@pytest.mark.parametrize("view", [RankOptions, ClusterRequest])
+def test_a_view_of_the_settled_options_names_options_with_their_defaults(view: type) -> None:
+    """A view's field is filled by its name: an option (with the option's default), or a value
+    settling derives. A misspelt or drifted field fails here, not in a launch."""
+    options = {each.name: each for each in fields(LaunchOptions)}
+    plain = settle(LaunchOptions(cluster="ray"))
+    for each in fields(view):
+        assert each.name in options or each.name in SETTLED_PROPERTIES, f"{view.__name__}.{each.name}"
+        if each.name in options:
+            assert each.type == options[each.name].type, each.name
+        settled_value = getattr(plain.options if each.name in options else plain, each.name)
+        if each.default is not dataclasses.MISSING:
+            assert settled_value == each.default, each.name
+        elif each.default_factory is not dataclasses.MISSING:
+            assert settled_value == each.default_factory(), each.name
+
+
+def test_the_cluster_request_is_the_settled_options_whole_not_copied_by_hand(monkeypatch: pytest.MonkeyPatch) -> None:
+    asked: list[ClusterRequest] = []
+
+    class Backend:
+        def check(self, request: ClusterRequest) -> None:
+            asked.append(request)
+
+        def start(self, request: ClusterRequest, *, persistent: bool, restart_count: int) -> Any:
+            raise AssertionError("nothing starts in this test")
+
+    monkeypatch.setattr(launcher_module, "cluster_backend", lambda kind: Backend())
+    settled = settle(LaunchOptions(cluster="ray", num_processes=4, nodes=2, backend="gloo", mixed_precision="bf16",
+                                   quiet=True))
+    launcher_module.group_starter(settled, persistent=False)
+    assert asked == [settled.view(ClusterRequest)] == [ClusterRequest(
+        num_processes=4, nodes=2, gpus_per_node=None, backend="gloo", quiet=True,
+        rank_options=RankOptions(mixed_precision="bf16"))]
+
+
+def test_the_pickers_selection_is_settled_once_and_a_session_keeps_it() -> None:
+    set_selection(gpus=[1, 3])
+    try:
+        settled = settle(LaunchOptions(inventory=synthetic_inventory(4)))
+        assert settled.options.gpus == settled.given.gpus == (1, 3)
+        assert settle(LaunchOptions(num_processes=2)).options.gpus is None  # devices given: no picker
+        with Session.start_with(LaunchOptions(inventory=synthetic_inventory(4), quiet=True)) as session:
+            set_selection(gpus=[0])  # a change of the picker does not move a running session's ranks
+            assert session.options.gpus == (1, 3) and [r.gpu.index for r in session.plan.ranks if r.gpu] == [1, 3]
+    finally:
+        clear_selection()

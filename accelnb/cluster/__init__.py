@@ -1,7 +1,7 @@
 """Backends that run the ranks on a cluster engine's nodes rather than on this machine.
 
-A backend is a module with two functions over a :class:`ClusterRequest` (plain values taken from
-:class:`accelnb.options.LaunchOptions` by the launcher):
+A backend is a module with two functions over a :class:`ClusterRequest` (a view of the launch's
+settled options, :class:`accelnb.options.SettledOptions`, filled by field name):
 
 - ``check(request)``: everything that can fail before anything starts (the engine is not
   installed, no cluster is reachable, the cluster cannot hold the ranks), as
@@ -21,24 +21,27 @@ module that is a cluster rank's body (``worker/ray_rank.py``, which its actors r
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from accelnb.errors import LaunchConfigError
+from accelnb.kernel.planning.rank_environment import RankOptions
 from accelnb.kernel.run.rank_group import RankGroup
 
 
 @dataclass(frozen=True)
 class ClusterRequest:
-    """What a cluster launch asks for; checked value by value by ``LaunchOptions`` already."""
+    """What a cluster launch asks for: the settled options a backend reads, each field filled by
+    its name (``SettledOptions.view``), so an option a backend needs is one field here and no
+    caller copies it. Checked value by value by ``LaunchOptions`` already."""
 
     num_processes: int | None
     nodes: int | None
     gpus_per_node: int | None
     cpu: bool = False
     backend: str | None = None
-    mixed_precision: str | None = None
     quiet: bool = False
+    rank_options: RankOptions = field(default_factory=RankOptions)  # what every rank's environment gets
 
 
 class ClusterBackend(Protocol):

@@ -19,19 +19,20 @@ The rules:
 - ``MASTER_ADDR`` is rank 0's node address; ``GLOO_SOCKET_IFNAME`` and ``NCCL_SOCKET_IFNAME``
   name the interface carrying each node's Ray address (without them gloo picks the address the
   hostname resolves to, 127.0.0.1 on many machines, and ranks on two nodes never meet).
+
+Each rank's environment is built from that placement by the one function local ranks use too
+(:func:`accelnb.kernel.planning.rank_environment.rank_environment`).
 """
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from accelnb.cluster import ClusterRequest
 from accelnb.errors import LaunchConfigError
-from accelnb.kernel.planning.rank_plan import DEVICE_ENV, LaunchPlan, RankSpec
-from accelnb.wire.spec import WorkerSpec
+from accelnb.kernel.planning.rank_environment import RankOptions
+from accelnb.kernel.planning.rank_plan import LaunchPlan, RankSpec
 
 CPUS_PER_RANK = 1.0
 
@@ -126,48 +127,24 @@ def rank_order(placed: Sequence[PlacedActor]) -> list[int]:
 
 
 def cluster_plan(placed: Sequence[PlacedActor], shape: RankShape, *, master_port: int, backend: str | None,
-                 mixed_precision: str | None, restart_count: int = 0) -> LaunchPlan:
-    """Every rank's spec, given the actors in rank order (see :func:`rank_order`)."""
+                 mixed_precision: str | None = None) -> LaunchPlan:
+    """Every rank's spec, given the actors in rank order (see :func:`rank_order`). A launch applies
+    its settled options with :meth:`LaunchPlan.with_options`; ``mixed_precision`` is the same for a
+    plan made from plain values."""
     world = len(placed)
     node_ids = list(dict.fromkeys(actor.node_id for actor in placed))
     by_node = {node: [a for a in placed if a.node_id == node] for node in node_ids}
-    master = placed[0].address
-    chosen_backend = backend or ("nccl" if shape.gpus else "gloo")
     ranks = []
     for rank, actor in enumerate(placed):
         peers = by_node[actor.node_id]
         local_rank = peers.index(actor)
-        device = f"cuda:{local_rank}" if shape.gpus else "cpu"
-        interface = actor.interface or "lo"
-        env = {
-            "RANK": str(rank), "LOCAL_RANK": str(local_rank), "WORLD_SIZE": str(world),
-            "LOCAL_WORLD_SIZE": str(len(peers)), "NODE_RANK": str(node_ids.index(actor.node_id)),
-            "GROUP_RANK": str(node_ids.index(actor.node_id)),
-            "MASTER_ADDR": master, "MASTER_PORT": str(master_port),
-            "GLOO_SOCKET_IFNAME": interface, "NCCL_SOCKET_IFNAME": interface,
-            "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-            "CUDA_VISIBLE_DEVICES": ",".join(gpu for peer in peers for gpu in peer.gpu_ids),
-            "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", str(int(CPUS_PER_RANK))),
-            "TORCHELASTIC_RESTART_COUNT": str(restart_count),
-            DEVICE_ENV: device,
-        }
-        if mixed_precision is not None:
-            env["ACCELERATE_MIXED_PRECISION"] = mixed_precision
-        if not shape.gpus:
-            env["ACCELERATE_USE_CPU"] = "true"
-        ranks.append(RankSpec(rank, local_rank, world, len(peers), node_ids.index(actor.node_id), device, None, env))
-    return LaunchPlan(tuple(ranks), chosen_backend, master_addr=master, master_port=master_port)
-
-
-def worker_specs(plan: LaunchPlan, *, persistent: bool, restart_count: int) -> list[WorkerSpec]:
-    """What each actor's ``set_up`` gets: the plan's rank, and the kernel's cwd and ``sys.path``
-    (an actor adds the entries that exist on its node)."""
-    return [WorkerSpec(rank=r.rank, local_rank=r.local_rank, world_size=r.world_size, device=r.device,
-                       backend=plan.backend, env=dict(r.env), master_addr=plan.master_addr,
-                       master_port=plan.master_port, cwd=os.getcwd(),
-                       sys_path=[p for p in sys.path if p] + [os.getcwd()], persistent=persistent,
-                       threads_per_rank=int(CPUS_PER_RANK), restart_count=restart_count)
-            for r in plan.ranks]
+        ranks.append(RankSpec(rank, local_rank, world, len(peers), node_ids.index(actor.node_id),
+                              f"cuda:{local_rank}" if shape.gpus else "cpu", None,
+                              visible_gpus=tuple(gpu for peer in peers for gpu in peer.gpu_ids),
+                              interface=actor.interface or "lo"))
+    chosen_backend = backend or ("nccl" if shape.gpus else "gloo")
+    the_plan = LaunchPlan(tuple(ranks), chosen_backend, master_addr=placed[0].address, master_port=master_port)
+    return the_plan.with_options(RankOptions(mixed_precision=mixed_precision))
 
 
 def cluster_table(plan: LaunchPlan, placed: Sequence[PlacedActor]) -> str:

@@ -18,18 +18,19 @@ from typing import Any
 
 from accelnb.cluster import ClusterRequest
 from accelnb.cluster.rank_layout import (
+    CPUS_PER_RANK,
     PlacedActor,
     RankShape,
     cluster_plan,
     cluster_table,
     rank_order,
     rank_shape,
-    worker_specs,
 )
 from accelnb.cluster.ray_connection import connected_ray
 from accelnb.cluster.ray_group import RayRankGroup
 from accelnb.errors import LaunchConfigError, WorkerStartError
 from accelnb.kernel.display.output import OutputRouter, notebook_sink
+from accelnb.kernel.planning.worker_specs import worker_specs
 from accelnb.kernel.run.failure_report import start_interrupted
 from accelnb.worker.ray_rank import RankActor
 
@@ -99,13 +100,14 @@ def start(request: ClusterRequest, *, persistent: bool, restart_count: int) -> R
         order = rank_order(placed)
         actors, placed = [actors[i] for i in order], [placed[i] for i in order]
         port = ray.get(actors[0].reserve_port.remote(placed[0].address))
-        plan = cluster_plan(placed, shape, master_port=port, backend=request.backend,
-                            mixed_precision=request.mixed_precision, restart_count=restart_count)
+        plan = cluster_plan(placed, shape, master_port=port, backend=request.backend).with_options(request.rank_options)
         router = OutputRouter(live_ranks={0}, prefix=False, sink=notebook_sink)
         group = RayRankGroup(plan, actors, placed, group_of_bundles, router, persistent=persistent)
         if not request.quiet:
             notebook_sink("stdout", cluster_table(plan, placed) + "\n")
-        group.begin(worker_specs(plan, persistent=persistent, restart_count=restart_count))
+        # Each actor holds one CPU of its node (CPUS_PER_RANK); rank 0's actor bound its own store
+        # socket (reserve_port above), so none is handed down from the kernel.
+        group.begin(worker_specs(plan, persistent, restart_count, threads=int(CPUS_PER_RANK), store_on_rank0=False))
         return group
     except BaseException as error:
         if group is not None:

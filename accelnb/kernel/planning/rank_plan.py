@@ -56,12 +56,9 @@ from dataclasses import dataclass, field, replace
 from accelnb.errors import GpuSelectionError, LaunchConfigError
 from accelnb.kernel.planning.inventory import GpuInfo, Inventory
 from accelnb.kernel.planning.ports import LOOPBACK
+from accelnb.kernel.planning.rank_environment import RankOptions, RankPlace, rank_environment
 
 GpuSpec = str | int | Sequence[int | str] | None
-
-# Each rank's planned device, "cuda:N" or "cpu", in its environment. Read by
-# accelnb.worker.cell_runner (which may not import this module; tests/test_planning.py pins the name).
-DEVICE_ENV = "ACCELNB_DEVICE"
 
 
 @dataclass(frozen=True)
@@ -75,10 +72,14 @@ class RankSpec:
     node_rank: int
     device: str  # "cuda:N" as the worker sees it, or "cpu"
     gpu: GpuInfo | None  # the physical GPU behind ``device``
+    # Its environment as planned, built by rank_environment (the attempt and thread budget are
+    # added when it starts).
     env: Mapping[str, str] = field(default_factory=dict)
     # Every GPU this rank owns, in the order it sees them (cuda:0, cuda:1, …); () for CPU ranks.
     # With one GPU per rank, ``(gpu,)``: the rank sees the other ranks' GPUs too, but owns one.
     gpus: tuple[GpuInfo, ...] = ()
+    visible_gpus: tuple[str, ...] = ()  # what its CUDA_VISIBLE_DEVICES lists, in the order it sees them
+    interface: str | None = None  # the network interface of its node (cluster ranks); None: this machine
 
     def describe(self, simulated: bool = False) -> str:
         """One line for a rank with one GPU; a rank with several lists each under its first line."""
@@ -99,7 +100,7 @@ def _gpu_line(gpu: GpuInfo) -> str:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """The ranks of one machine, and how they find each other."""
+    """The ranks of one launch, and how they find each other."""
 
     ranks: tuple[RankSpec, ...]
     backend: str
@@ -107,20 +108,33 @@ class LaunchPlan:
     master_port: int = 0  # 0 until the launcher binds a free one
     simulated_gpus: bool = False  # GPUs come from a synthetic inventory; ranks run on CPU
     notes: tuple[str, ...] = ()  # lines the table shows under its header (where options came from)
+    options: RankOptions = field(default_factory=RankOptions)  # what the launch's options put in every rank
 
     @property
     def world_size(self) -> int:
         return self.ranks[0].world_size
 
     def with_port(self, port: int) -> LaunchPlan:
-        ranks = tuple(replace(r, env={**r.env, "MASTER_PORT": str(port)}) for r in self.ranks)
-        return replace(self, ranks=ranks, master_port=port)
+        return replace(self, master_port=port).with_environments()
 
-    def with_env(self, env: Mapping[str, str], note: str | None = None) -> LaunchPlan:
-        """Every rank with ``env`` added under its own keys (the plan's own values win), and
-        ``note`` shown in the table; how a launcher adds settings that do not place ranks."""
-        ranks = tuple(replace(r, env={**env, **r.env}) for r in self.ranks)
-        return replace(self, ranks=ranks, notes=self.notes + ((note,) if note else ()))
+    def with_options(self, options: RankOptions, notes: Sequence[str] = ()) -> LaunchPlan:
+        """This plan with ``options`` in every rank's environment and ``notes`` in its table: how a
+        launch applies its settled options to the ranks a planner placed."""
+        return replace(self, options=options, notes=self.notes + tuple(notes)).with_environments()
+
+    def with_environments(self) -> LaunchPlan:
+        """Every rank's ``env`` built from this plan by :func:`rank_environment` (how a planner
+        finishes a plan, and how a new port or new options reach every rank)."""
+        return replace(self, ranks=tuple(replace(r, env=rank_environment(self.options, self.place(r)))
+                                         for r in self.ranks))
+
+    def place(self, rank: RankSpec, *, restart_count: int | None = None, threads: int | None = None) -> RankPlace:
+        """Where ``rank`` runs in this plan; with ``restart_count`` and ``threads``, as it starts."""
+        return RankPlace(rank=rank.rank, local_rank=rank.local_rank, world_size=rank.world_size,
+                         local_world_size=rank.local_world_size, node_rank=rank.node_rank, device=rank.device,
+                         visible_gpus=rank.visible_gpus, gpus_owned=len(rank.gpus), master_addr=self.master_addr,
+                         master_port=self.master_port, interface=rank.interface, restart_count=restart_count,
+                         threads=threads)
 
     def table(self, pids: Sequence[int] | None = None) -> str:
         """The rank → device mapping as shown at the start of a run (with each rank's pid)."""
@@ -142,27 +156,26 @@ def plan(
     inventory: Inventory,
     cpu: bool = False,
     backend: str | None = None,
-    mixed_precision: str | None = None,
     gpus_per_rank: int = 1,
 ) -> LaunchPlan:
     """Plan the ranks of this machine. Raises :class:`GpuSelectionError` or
     :class:`LaunchConfigError` when the selection does not fit ``inventory``.
 
     ``cpu=True`` needs ``num_processes`` (``LaunchOptions`` refuses it without). With
-    ``gpus_per_rank=k``, ``num_processes`` counts ranks, each of *k* GPUs.
+    ``gpus_per_rank=k``, ``num_processes`` counts ranks, each of *k* GPUs. The options that do not
+    place ranks join every rank's environment by :meth:`LaunchPlan.with_options`.
     """
     selected = _select_gpus(gpus, num_processes, inventory, cpu, gpus_per_rank)
     simulated = selected is not None and inventory.synthetic
     on_gpus = selected is not None and not simulated
     count = len(selected) // gpus_per_rank if selected is not None else num_processes
     assert count is not None, "cpu ranks need num_processes (checked by LaunchOptions)"
-    ranks = tuple(_rank_spec(local_rank, count, selected, on_gpus, mixed_precision, gpus_per_rank)
-                  for local_rank in range(count))
-    return LaunchPlan(ranks, _choose_backend(backend, on_gpus), simulated_gpus=simulated)
+    ranks = tuple(_rank_spec(local_rank, count, selected, on_gpus, gpus_per_rank) for local_rank in range(count))
+    return LaunchPlan(ranks, _choose_backend(backend, on_gpus), simulated_gpus=simulated).with_environments()
 
 
 def _rank_spec(local_rank: int, count: int, selected: Sequence[GpuInfo] | None, on_gpus: bool,
-               mixed_precision: str | None, gpus_per_rank: int) -> RankSpec:
+               gpus_per_rank: int) -> RankSpec:
     if gpus_per_rank == 1:
         # Today's layout, kept exactly: every rank sees the whole selection and owns one card.
         own = tuple(selected[local_rank:local_rank + 1]) if selected else ()
@@ -173,32 +186,10 @@ def _rank_spec(local_rank: int, count: int, selected: Sequence[GpuInfo] | None, 
         own = tuple(selected[local_rank * gpus_per_rank:(local_rank + 1) * gpus_per_rank])
         visible = own
         device = f"cuda:{local_rank % gpus_per_rank}" if on_gpus else "cpu"  # see the module docstring
-    env = {
-        "RANK": str(local_rank),  # one machine: the global rank is the local rank
-        "LOCAL_RANK": str(local_rank),
-        "WORLD_SIZE": str(count),
-        "LOCAL_WORLD_SIZE": str(count),
-        "NODE_RANK": "0",
-        "GROUP_RANK": "0",
-        "MASTER_ADDR": LOOPBACK,
-        "MASTER_PORT": "0",
-        "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
-        # CPU ranks on a GPU machine must not grab a GPU behind the user's back.
-        "CUDA_VISIBLE_DEVICES": ",".join(str(g.index) for g in visible),
-        DEVICE_ENV: device,
-    }
-    if mixed_precision is not None:
-        env["ACCELERATE_MIXED_PRECISION"] = mixed_precision
-    if not on_gpus:
-        env["ACCELERATE_USE_CPU"] = "true"
-    if gpus_per_rank > 1:
-        # Accelerate (and so HF Trainer) refuses a model spread over GPUs with device_map="auto"
-        # "in any distributed mode", which a launched rank always is (LOCAL_RANK is set). This is
-        # its own switch for models that own several GPUs: it then wraps them in DDP with
-        # device_ids=None, PyTorch's way for a module on several devices.
-        env["ACCELERATE_BYPASS_DEVICE_MAP"] = "true"
     gpu = own[local_rank % gpus_per_rank] if own else None
-    return RankSpec(local_rank, local_rank, count, count, 0, device, gpu, env, gpus=own)
+    # One machine: the global rank is the local rank, and its environment is built with the plan's.
+    return RankSpec(local_rank, local_rank, count, count, 0, device, gpu, gpus=own,
+                    visible_gpus=tuple(str(g.index) for g in visible))
 
 
 def _select_gpus(gpus: GpuSpec, num_processes: int | None, inventory: Inventory,

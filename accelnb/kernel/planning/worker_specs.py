@@ -1,8 +1,9 @@
-"""From a plan to what the helper forks: one :class:`~accelnb.wire.spec.WorkerSpec` per rank.
+"""From a plan to what the helper forks (or a cluster's actors set up): a ``WorkerSpec`` per rank.
 
-The plan says where each rank runs; this adds what only the kernel knows at launch time (its
-working directory, ``sys.path``, thread budget, loopback interfaces for gloo and NCCL), and
-formats the start table the cell shows.
+The plan says where each rank runs; this adds what only the kernel knows at start time (its
+working directory, ``sys.path``, the thread budget, the attempt) and has each rank's environment
+built by :func:`~accelnb.kernel.planning.rank_environment.rank_environment`. It also formats the
+start table the cell shows.
 
     >>> specs = worker_specs(plan(num_processes=2, inventory=Inventory()))   # doctest: +SKIP
     >>> threads_per_rank(2)          # on 8 cores without OMP_NUM_THREADS     # doctest: +SKIP
@@ -17,36 +18,29 @@ from collections.abc import Sequence
 
 from accelnb.errors import LaunchConfigError
 from accelnb.kernel.planning import rank_plan
+from accelnb.kernel.planning.rank_environment import kernel_omp_setting, rank_environment
 from accelnb.wire.spec import WorkerSpec
 
 
-def worker_specs(the_plan: rank_plan.LaunchPlan, persistent: bool = False,
-                 restart_count: int = 0) -> list[WorkerSpec]:
-    """The per-rank specs the helper forks workers from; ``restart_count``: which attempt of a
-    launch with restarts they belong to."""
-    threads = threads_per_rank(len(the_plan.ranks))
-    specs = []
-    for rank in the_plan.ranks:
-        env = dict(rank.env)
-        # Every plan is one machine rendezvousing on loopback: keep gloo's and NCCL's own
-        # sockets there too (they otherwise bind the address the hostname resolves to).
-        env.setdefault("GLOO_SOCKET_IFNAME", os.environ.get("GLOO_SOCKET_IFNAME", "lo"))
-        env.setdefault("NCCL_SOCKET_IFNAME", os.environ.get("NCCL_SOCKET_IFNAME", "lo"))
-        # The kernel's own setting ("4,2" included) reaches the ranks as written.
-        env.setdefault("OMP_NUM_THREADS", _kernel_omp_setting() or str(threads))
-        # What torchelastic sets (torchrun --max-restarts), so code written for it finds its attempt.
-        env["TORCHELASTIC_RESTART_COUNT"] = str(restart_count)
-        specs.append(WorkerSpec(
-            rank=rank.rank, local_rank=rank.local_rank, world_size=rank.world_size,
-            device=rank.device, backend=the_plan.backend, env=env,
-            master_addr=the_plan.master_addr, master_port=the_plan.master_port,
-            cwd=os.getcwd(), sys_path=[p for p in sys.path if p != ""] + [os.getcwd()],
-            persistent=persistent,
-            holds_store=rank.rank == 0,
-            threads_per_rank=threads,
-            restart_count=restart_count,
-        ))
-    return specs
+def worker_specs(the_plan: rank_plan.LaunchPlan, persistent: bool = False, restart_count: int = 0, *,
+                 threads: int | None = None, store_on_rank0: bool = True) -> list[WorkerSpec]:
+    """The per-rank specs to start ``the_plan``'s ranks from; ``restart_count``: which attempt of a
+    launch with restarts they belong to. ``threads``: each rank's thread budget (default:
+    :func:`threads_per_rank` of this machine). ``store_on_rank0``: rank 0 receives the rendezvous
+    socket the kernel bound (only where it runs on this machine)."""
+    threads = threads if threads is not None else threads_per_rank(len(the_plan.ranks))
+    return [WorkerSpec(
+        rank=rank.rank, local_rank=rank.local_rank, world_size=rank.world_size,
+        device=rank.device, backend=the_plan.backend,
+        env=rank_environment(the_plan.options, the_plan.place(rank, restart_count=restart_count, threads=threads)),
+        master_addr=the_plan.master_addr, master_port=the_plan.master_port,
+        # A cluster rank adds the entries that exist on its node.
+        cwd=os.getcwd(), sys_path=[p for p in sys.path if p != ""] + [os.getcwd()],
+        persistent=persistent,
+        holds_store=store_on_rank0 and rank.rank == 0,
+        threads_per_rank=threads,
+        restart_count=restart_count,
+    ) for rank in the_plan.ranks]
 
 
 def threads_per_rank(rank_count: int) -> int:
@@ -57,7 +51,7 @@ def threads_per_rank(rank_count: int) -> int:
     OpenMP's value is a list, one count per nesting level ("4,2"); the first level is the
     number of threads a process runs, which is what torch's intra-op pool should use.
     """
-    setting = _kernel_omp_setting()
+    setting = kernel_omp_setting()
     if setting is None:
         return max(1, (os.cpu_count() or 1) // rank_count)
     first_level = setting.split(",")[0].strip()
@@ -68,11 +62,6 @@ def threads_per_rank(rank_count: int) -> int:
             "those, or remove it (del os.environ['OMP_NUM_THREADS']) to give each rank an even "
             "share of the cores.")
     return int(first_level)
-
-
-def _kernel_omp_setting() -> str | None:
-    setting = os.environ.get("OMP_NUM_THREADS", "").strip()
-    return setting or None  # set but empty: OpenMP ignores it, and so do we
 
 
 def describe_start(the_plan: rank_plan.LaunchPlan, pids: Sequence[int]) -> str:
