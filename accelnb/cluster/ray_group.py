@@ -21,51 +21,40 @@ Endings, which leave no actor behind and, once the group closes, no placement gr
   answer within a grace period; otherwise, and always for a one-shot launch, all are killed.
 
 The payload goes into Ray's object store once (``ray.put``) and every actor reads it from there.
+
+What does not depend on Ray is shared with the local group (``kernel/run/group/``): a call's
+answers and the events both backends send (``call_answers``), the rank states displays follow
+(``rank_phases``), and waiting for a call and deciding what to stop at its end (``call_protocol``).
+This module keeps what is Ray's: the actors, their polls, how an actor is lost and how it is
+killed, and stacks asked of the actors themselves.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 from accelnb.cluster.rank_layout import PlacedActor
-from accelnb.errors import RankFailure
 from accelnb.kernel.display.output import OutputRouter
 from accelnb.kernel.planning.rank_plan import LaunchPlan
 from accelnb.kernel.run import run_state
 from accelnb.kernel.run.call_outcome import CallOutcome, Ending
-from accelnb.kernel.run.failure_report import actor_lost_failure, exception_failure
+from accelnb.kernel.run.failure_report import actor_lost_failure
+from accelnb.kernel.run.group.call_answers import CallAnswers, MetricSink, record_event
+from accelnb.kernel.run.group.call_protocol import CallProtocol, CallRanks, StopWhy
+from accelnb.kernel.run.group.rank_phases import RankPhases
 from accelnb.wire.buffers import Packed
-from accelnb.wire.events import CallError, CallResult, Joined, MetricBatch, OutputChunk
+from accelnb.wire.events import OutputChunk
 from accelnb.wire.spec import WorkerSpec
 
 POLL_WAIT_S = 0.2  # how long an actor holds an events poll open when it has nothing to send
 WAIT_SLICE_S = 0.05
-ANSWER_WAIT_S = 1.0  # sessions: how long the other ranks get to answer after a failure
 INTERRUPT_GRACE_S = 5.0  # sessions: how long the ranks get to stop the call (two Ray round trips under load)
 LAST_WORDS_S = 0.2  # before killing: what the ranks printed last still reaches the cell
 KILL_WAIT_S = 10.0  # after ray.kill: how long until every actor is known dead
 STACKS_WAIT_S = 2.0
 PLACEMENT_REMOVAL_WAIT_S = 5.0
-
-
-@dataclass
-class _Answers:
-    call_id: int | None
-    values: dict[int, Packed | None] = field(default_factory=dict)
-    failures: list[RankFailure] = field(default_factory=list)
-    ranks: frozenset[int] | None = None  # the ranks this call runs on; None: every rank
-
-    def runs_on(self, rank: int) -> bool:
-        return self.ranks is None or rank in self.ranks
-
-    def has_failed(self, rank: int) -> bool:
-        return any(f.rank == rank for f in self.failures)
-
-    def answered(self) -> set[int]:
-        return set(self.values) | {f.rank for f in self.failures}
 
 
 class RayRankGroup:
@@ -79,7 +68,7 @@ class RayRankGroup:
         self.plan = plan
         self.persistent = persistent
         self.output = output
-        self.metric_sink: Any = None
+        self.metric_sink: MetricSink | None = None
         self.closed = False
         self._actors = actors
         self._placed = placed
@@ -87,15 +76,17 @@ class RayRankGroup:
         self._alive = [True] * len(actors)
         self._killed: set[int] = set()
         self._watched: dict[Any, tuple[int, str]] = {}  # ObjectRef -> (rank, "events" | "run" | "set_up")
-        self._call_ids = 0
         self._driving = threading.RLock()
-        self._between_calls = _Answers(None)
-        self.run = run_state.RunState(
-            run_id=run_state.next_run_id(),
-            ranks=[run_state.RankState(r.rank, r.device, "starting", p.pid) for r, p in zip(plan.ranks, placed,
-                                                                                            strict=True)],
-            collect_stacks=self.collect_stacks)
-        run_state.begin_run(self.run)
+        self._phases = RankPhases()
+        self.run = self._phases.begin(
+            [run_state.RankState(r.rank, r.device, "starting", p.pid) for r, p in zip(plan.ranks, placed, strict=True)],
+            self.collect_stacks)
+        self._calls = CallProtocol(CallRanks(
+            persistent=persistent, interrupt_grace=INTERRUPT_GRACE_S, size=lambda: len(self._actors),
+            live_ranks=lambda: [rank for rank, alive in enumerate(self._alive) if alive],
+            usable=lambda: self.usable, helper_death=lambda: None, pump=self._pump,
+            between_pumps=_run_wait_hooks, interrupt=lambda rank: self._actors[rank].interrupt.remote(),
+            stop=self._stop_for, stacks_at_timeout=lambda: self.collect_stacks(STACKS_WAIT_S)))
 
     @property
     def usable(self) -> bool:
@@ -111,12 +102,10 @@ class RayRankGroup:
     # ── a call ──────────────────────────────────────────────────────────────────────────────
     def call(self, payload: Packed, value_ranks: set[int], timeout: float | None,
              ranks: frozenset[int] | None = None) -> CallOutcome:
-        """Run one call on every rank (or only on ``ranks``, as the local engine does)."""
+        """Run one call on every rank (or only on ``ranks``, as the local engine does); waiting
+        and ending it is the call protocol's (``kernel/run/group/call_protocol.py``)."""
         with self._driving:
-            self._call_ids += 1
-            answers = _Answers(self._call_ids, ranks=ranks)
-            answers.failures.extend(self._between_calls.failures)
-            self._between_calls.failures.clear()
+            answers = self._calls.begin(ranks)
             ending: Ending
             try:
                 payload_ref = self._ray.put(payload)  # once into the object store, read by every actor
@@ -124,67 +113,17 @@ class RayRankGroup:
                     if self._alive[rank] and answers.runs_on(rank):
                         self._watched[actor.run.remote(answers.call_id, payload_ref, frozenset(value_ranks))] = \
                             (rank, "run")
-                ending = self._wait_for_answers(answers, timeout)
+                waited = self._calls.wait(answers, timeout, self.run.stop_requested)
+                ending = "interrupted" if waited == "stop_requested" else waited  # stop_source stays "interrupt"
             except KeyboardInterrupt:
                 ending = "interrupted"
-            return self._conclude(CallOutcome(ending, answers.values, answers.failures, timeout=timeout,
-                                              ranks=None if ranks is None else sorted(ranks)), answers)
-
-    def _wait_for_answers(self, answers: _Answers, timeout: float | None) -> Ending:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            self._pump(WAIT_SLICE_S, answers)
-            if answers.failures:
-                return "failed"
-            if len(answers.values) == self._expected(answers):
-                return "answered"
-            if self.run.stop_requested.is_set():
-                self.run.stop_requested.clear()
-                return "interrupted"
-            if deadline is not None and time.monotonic() > deadline:
-                return "timed_out"
-            run_state.run_wait_hooks()
-
-    def _conclude(self, outcome: CallOutcome, answers: _Answers) -> CallOutcome:
-        try:
-            if outcome.ending == "failed":
-                if not (self.persistent and self._all_answer(answers, ANSWER_WAIT_S)):
-                    outcome.stopped = [r for r in self._stop(answers) if r not in answers.values]
-            elif outcome.ending == "timed_out":
-                outcome.stacks = self.collect_stacks(STACKS_WAIT_S)
-                self._stop(answers)
-            elif outcome.ending == "interrupted" and not (self.persistent and self._interrupt_call(answers)):
-                self._stop(answers)
-        except KeyboardInterrupt:  # interrupted while stopping: kill without waiting for last words
-            self._kill_all(answers, last_words=False)
-        outcome.workers_kept = self.usable
-        return outcome
-
-    def _all_answer(self, answers: _Answers, wait: float) -> bool:
-        deadline = time.monotonic() + wait
-        while time.monotonic() < deadline:
-            if len(answers.answered()) == self._expected(answers):
-                return all(self._alive)
-            self._pump(0.02, answers)
-        return False
-
-    def _expected(self, answers: _Answers) -> int:
-        return len(self._actors) if answers.ranks is None else len(answers.ranks)
-
-    def _interrupt_call(self, answers: _Answers) -> bool:
-        for rank, actor in enumerate(self._actors):
-            if self._alive[rank] and answers.runs_on(rank) and rank not in answers.values:
-                actor.interrupt.remote()
-        try:
-            return self._all_answer(answers, INTERRUPT_GRACE_S)
-        except KeyboardInterrupt:
-            return False
+            return self._calls.conclude(answers.outcome(ending, timeout), answers)
 
     # ── the wait loop ───────────────────────────────────────────────────────────────────────
     def _poll(self, rank: int) -> None:
         self._watched[self._actors[rank].events.remote(POLL_WAIT_S)] = (rank, "events")
 
-    def _pump(self, timeout: float, answers: _Answers) -> None:
+    def _pump(self, timeout: float, answers: CallAnswers) -> None:
         refs = list(self._watched)
         if refs:
             ready, _ = self._ray.wait(refs, num_returns=1, timeout=timeout)
@@ -207,22 +146,14 @@ class RayRankGroup:
                     self._poll(rank)
         self.output.tick()
 
-    def _on_event(self, rank: int, event: Any, answers: _Answers) -> None:
-        pid = self._placed[rank].pid
+    def _on_event(self, rank: int, event: Any, answers: CallAnswers) -> None:
         if isinstance(event, OutputChunk):
             self.output.feed(rank, "stderr" if event.stream == "stderr" else "stdout", event.data)
-        elif isinstance(event, Joined):
-            self._set_phase(rank, "running")
-        elif isinstance(event, CallResult) and event.call_id == answers.call_id:
-            answers.values[rank] = event.value
-            self._set_phase(rank, "running" if self.persistent else "done")
-        elif isinstance(event, CallError) and (answers.call_id is None or event.call_id in (None, answers.call_id)):
-            answers.failures.append(exception_failure(rank, pid, event, self.output.tail(rank)))
-            self._set_phase(rank, "failed", event.type_name)
-        elif isinstance(event, MetricBatch) and self.metric_sink is not None:
-            self.metric_sink(event)
+        else:
+            record_event(answers, rank, self._placed[rank].pid, event, self._phases, self.output, self.metric_sink,
+                         persistent=self.persistent)
 
-    def _on_actor_lost(self, rank: int, error: BaseException, answers: _Answers) -> None:
+    def _on_actor_lost(self, rank: int, error: BaseException, answers: CallAnswers) -> None:
         if not self._alive[rank]:
             return
         self._alive[rank] = False
@@ -231,17 +162,19 @@ class RayRankGroup:
         placed = self._placed[rank]
         failure = actor_lost_failure(rank, placed.pid, placed.address, _why_actor_died(error), self.output.tail(rank))
         answers.failures.append(failure)
-        self._set_phase(rank, "failed", failure.summary)
+        self._phases.set(rank, "failed", failure.summary)
 
     # ── stopping ────────────────────────────────────────────────────────────────────────────
-    def _stop(self, answers: _Answers) -> list[int]:
-        """Kill every live actor (after reading what they printed last); the ranks stopped."""
+    def _stop_for(self, why: StopWhy, answers: CallAnswers) -> list[int]:
+        """Kill every live actor, after reading what they printed last unless ``why`` is
+        "at_once" (interrupted while stopping); the ranks stopped. Ray has no gentler stop, so
+        every other reason is the same."""
         stopped = [rank for rank, alive in enumerate(self._alive) if alive and not answers.has_failed(rank)]
-        self._kill_all(answers, last_words=True)
+        self._kill_all(answers, last_words=why != "at_once")
         return stopped
 
-    def _kill_all(self, answers: _Answers, *, last_words: bool) -> None:
-        scratch = _Answers(None)
+    def _kill_all(self, answers: CallAnswers, *, last_words: bool) -> None:
+        scratch = CallAnswers(None)
         if last_words:
             deadline = time.monotonic() + LAST_WORDS_S
             while time.monotonic() < deadline and any(self._alive):
@@ -250,13 +183,13 @@ class RayRankGroup:
             if self._alive[rank]:
                 self._killed.add(rank)
                 self._ray.kill(actor, no_restart=True)
-                if self.run.ranks[rank].phase not in ("done", "failed"):
-                    self._set_phase(rank, "stopped")
+                if self._phases.phase(rank) not in ("done", "failed"):
+                    self._phases.set(rank, "stopped")
         # An actor is gone once its pending calls fail; every live one has an events poll pending.
         deadline = time.monotonic() + KILL_WAIT_S
         while any(self._alive) and time.monotonic() < deadline:
             self._pump(WAIT_SLICE_S, scratch)
-        answers.failures.extend(f for f in scratch.failures if f.kind == "exception" and not answers.has_failed(f.rank))
+        answers.keep_failures(scratch, lambda failure: failure.kind == "exception")  # a killed actor is no crash
 
     # ── live stacks ─────────────────────────────────────────────────────────────────────────
     def collect_stacks(self, wait: float = STACKS_WAIT_S) -> dict[int, str]:
@@ -284,13 +217,12 @@ class RayRankGroup:
             if self.closed:
                 return
             try:
-                self._kill_all(_Answers(None), last_words=False)
+                self._kill_all(CallAnswers(None), last_words=False)
             finally:
                 self.closed = True
                 self._remove_placement_group()
                 self.output.finish()
-                self.run.finished = True
-                run_state.publish()
+                self._phases.finish()
 
     def _remove_placement_group(self) -> None:
         from ray.util.placement_group import placement_group_table, remove_placement_group
@@ -314,11 +246,11 @@ class RayRankGroup:
                          f"pid {placed.pid}  {'alive' if alive else 'gone'}")
         return "\n".join(lines)
 
-    def _set_phase(self, rank: int, phase: run_state.RankPhase, detail: str = "") -> None:
-        state = self.run.ranks[rank]
-        if state.phase != phase or detail:
-            state.phase, state.detail = phase, detail
-            run_state.publish()
+
+def _run_wait_hooks(answers: CallAnswers) -> float:
+    """The wait loop's idle work: the display hooks (no prompt reaches the kernel from an actor)."""
+    run_state.run_wait_hooks()
+    return 0.0
 
 
 def _why_actor_died(error: BaseException) -> str:

@@ -2,8 +2,10 @@
 
 - :mod:`accelnb.kernel.planning`: what a launch will be: GPUs, the default selection, how the plan
   maps devices to ranks, each rank's spec, the rendezvous port, Accelerate's config file;
-- :mod:`accelnb.kernel.run`: running a launch: the engine, the supervisor that owns the worker
-  processes (and the stop ladder), restarts, the run's state, failures and the result;
+- :mod:`accelnb.kernel.run`: running a launch: the engine, the supervisor's ``WorkerGroup`` (its
+  pieces, one job each, in ``run/group/``: the processes and the stop ladder, the channel pump,
+  the call protocol the Ray group shares, prompts, live stacks), restarts, the run's state,
+  failures and the result;
 - :mod:`accelnb.kernel.helper`: accelnb's helper process (forked or spawned) and the payload it
   delivers to the ranks;
 - :mod:`accelnb.kernel.doctor`: ``accelnb.doctor()``'s checks, and the ones before every launch;

@@ -1,0 +1,148 @@
+"""Waiting for a call's answers and ending the call, whatever runs the ranks.
+
+Each group sends a call its own way (a frame into every local worker's inbox, a ``run`` remote
+call per Ray actor) and hands the rest to its :class:`CallProtocol`: number the call
+(:meth:`~CallProtocol.begin`), wait until it is decided (:meth:`~CallProtocol.wait`), and end it
+(:meth:`~CallProtocol.conclude`), which is where the stop policy lives:
+
+- a rank failed: a session's other ranks get :data:`ANSWER_WAIT_S` to answer (every rank raising
+  the same exception keeps the session); otherwise every rank is stopped, and those that had not
+  failed are named as stopped;
+- ``timeout=`` expired: every rank's stack is read, then every rank is stopped;
+- interrupted: a session first interrupts just the call on the ranks still running it (when the
+  call reached them whole) and keeps them if all answer in time; otherwise every rank is stopped;
+- interrupted again while stopping: no more patience, stop at once.
+
+What a stop is for each backend (SIGTERM, a grace, SIGKILL; ``ray.kill``) stays in the group: the
+protocol sees the ranks only through :class:`CallRanks`, a port each group fills with its own
+functions. It raises nothing for what the ranks did: the :class:`~accelnb.kernel.run.call_outcome.CallOutcome`
+says it, and :mod:`accelnb.kernel.run.engine` decides what the user sees.
+
+    >>> protocol = CallProtocol(ranks)                                   # doctest: +SKIP
+    >>> answers = protocol.begin(None)                                   # doctest: +SKIP
+    >>> waited = protocol.wait(answers, timeout, run.stop_requested)     # doctest: +SKIP
+    >>> outcome = protocol.conclude(answers.outcome(waited, timeout), answers)  # doctest: +SKIP
+
+(A port of functions, not a base class: each group keeps its ranks private, and the protocol can
+be read, and tested, without either backend.)
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
+from accelnb.kernel.run.call_outcome import CallOutcome, HelperExit
+from accelnb.kernel.run.group.call_answers import CallAnswers
+
+ANSWER_WAIT_S = 1.0  # sessions: how long the other ranks get to answer after a failure
+WAIT_SLICE_S = 0.05  # the wait loop wakes this often (a Stop request, a deadline, display hooks)
+ALL_ANSWER_SLICE_S = 0.02
+
+# How a call's ending wants its ranks stopped; each group says what that is for its ranks.
+StopWhy = Literal["failed", "timed_out", "interrupted", "at_once"]
+WaitEnding = Literal["answered", "failed", "timed_out", "stop_requested", "helper_died"]
+
+
+@dataclass(frozen=True)
+class CallRanks:
+    """A group's ranks as the call protocol drives them: the group's own functions, by job."""
+
+    persistent: bool  # a session: ranks may be kept after a failure or an interrupt
+    interrupt_grace: float  # how long ranks get to stop an interrupted call and answer
+    size: Callable[[], int]  # how many ranks the group has
+    live_ranks: Callable[[], list[int]]  # the ranks still running
+    usable: Callable[[], bool]  # whether the ranks can take another call
+    helper_death: Callable[[], HelperExit | None]  # the process that ran the ranks died (local only)
+    pump: Callable[[float, CallAnswers], None]  # read what the ranks sent, for up to that many s
+    between_pumps: Callable[[CallAnswers], float]  # idle work (a prompt, display hooks); seconds at a prompt
+    interrupt: Callable[[int], None]  # interrupt the running call on one rank
+    stop: Callable[[StopWhy, CallAnswers], list[int]]  # stop every live rank; the ranks it stopped
+    stacks_at_timeout: Callable[[], dict[int, str]]  # every rank's Python stack, before stopping it
+
+
+class CallProtocol:
+    """Numbers one group's calls, waits for their answers and ends them."""
+
+    def __init__(self, ranks: CallRanks) -> None:
+        self._ranks = ranks
+        self._call_ids = 0
+        # What was seen between calls (a live stack request pumps then): a rank that died
+        # meanwhile is the next call's root cause.
+        self.between_calls = CallAnswers(None)
+
+    def begin(self, ranks: frozenset[int] | None) -> CallAnswers:
+        """The answers of a new call on ``ranks`` (None: every rank)."""
+        self._call_ids += 1
+        answers = CallAnswers(self._call_ids, ranks)
+        answers.failures.extend(self.between_calls.failures)
+        self.between_calls.failures.clear()
+        return answers
+
+    def wait(self, answers: CallAnswers, timeout: float | None,
+             stop_requested: threading.Event | None) -> WaitEnding:
+        """Pump until the call is decided: every rank answered, one failed, the deadline passed,
+        a Stop was requested, or the helper died. A ``KeyboardInterrupt`` propagates."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            self._ranks.pump(WAIT_SLICE_S, answers)
+            if self._ranks.helper_death() is not None:
+                return "helper_died"
+            if answers.failures:
+                return "failed"
+            if len(answers.values) == answers.expected(self._ranks.size()):
+                return "answered"
+            if stop_requested is not None and stop_requested.is_set():
+                stop_requested.clear()
+                return "stop_requested"
+            if deadline is not None and time.monotonic() > deadline:
+                return "timed_out"
+            at_prompt = self._ranks.between_pumps(answers)
+            if deadline is not None:
+                deadline += at_prompt  # time at a prompt is the user's, not the run's
+
+    def conclude(self, outcome: CallOutcome, answers: CallAnswers) -> CallOutcome:
+        """Stop what has to stop for ``outcome``; never ends with a rank that should be gone."""
+        ranks = self._ranks
+        try:
+            if outcome.ending == "failed":
+                if not (ranks.persistent and self._all_answer(answers, ANSWER_WAIT_S)):
+                    outcome.stopped = [r for r in ranks.stop("failed", answers) if r not in answers.values]
+            elif outcome.ending == "timed_out":
+                outcome.stacks = ranks.stacks_at_timeout()
+                ranks.stop("timed_out", answers)
+            elif outcome.ending == "interrupted":
+                keep = ranks.persistent and (outcome.phase == "unsent" or (
+                    outcome.phase == "running" and self._interrupt_call(answers)))
+                if not keep:
+                    ranks.stop("interrupted", answers)
+        except KeyboardInterrupt:  # interrupted while stopping: no more patience
+            ranks.stop("at_once", answers)
+        death = ranks.helper_death()
+        if death is not None:
+            outcome.ending = "helper_died"
+            outcome.helper_exit = death
+        outcome.workers_kept = ranks.usable()
+        return outcome
+
+    def _all_answer(self, answers: CallAnswers, wait: float) -> bool:
+        """Wait up to ``wait`` s for every rank to answer the current call."""
+        deadline = time.monotonic() + wait
+        while time.monotonic() < deadline and self._ranks.helper_death() is None:
+            if len(answers.answered()) == answers.expected(self._ranks.size()):
+                return len(self._ranks.live_ranks()) == self._ranks.size()
+            self._ranks.pump(ALL_ANSWER_SLICE_S, answers)
+        return False
+
+    def _interrupt_call(self, answers: CallAnswers) -> bool:
+        """Interrupt the ranks still working; True when all stopped their code and live on."""
+        for rank in self._ranks.live_ranks():
+            if rank not in answers.values and answers.runs_on(rank):
+                self._ranks.interrupt(rank)  # an idle rank would take it as a fatal interrupt
+        try:
+            return self._all_answer(answers, self._ranks.interrupt_grace)
+        except KeyboardInterrupt:
+            return False

@@ -1,0 +1,213 @@
+"""The four channels of each local rank, and the one selector that reads them.
+
+Each worker gets stdout and stderr pipes and two ``AF_UNIX`` stream sockets: ``events`` (rank to
+kernel: results, errors, metrics, prompts; big buffers travel as memfds, see ``wire/channel.py``)
+and ``inbox`` (kernel to rank, written by :mod:`~accelnb.kernel.run.group.rank_inboxes`).
+:class:`ChannelPump` opens them, hands the workers' ends to the helper, and reads the kernel's
+ends, together with the helper's socket, in one selector: output goes to the
+:class:`~accelnb.kernel.display.output.OutputRouter`, each decoded event to the handler the caller
+passes for that pump (the call it belongs to).
+
+    >>> pump = ChannelPump(router, on_step=None)                       # doctest: +SKIP
+    >>> their_ends = pump.open(rank=0)                                 # doctest: +SKIP
+    >>> pump.close_their_ends(); pump.watch(helper.fileno(), helper.collect)   # doctest: +SKIP
+    >>> pump.pump(0.05, lambda rank, event: ...)                       # doctest: +SKIP
+
+An interrupt can land between any two steps of opening: every fd is owned by this object the
+moment it exists, so :meth:`ChannelPump.close` frees them all whatever happened.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import selectors
+import socket
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from accelnb.kernel.display.output import OutputRouter
+from accelnb.kernel.helper.client import StepHook
+from accelnb.wire.channel import MessageReader, receive_chunk
+from accelnb.wire.held_interrupts import held_interrupts
+
+PIPE_SIZE = 1 << 20  # bigger pipes: fewer wake-ups for floods and large results
+F_SETPIPE_SZ = 1031
+
+Channel = Literal["stdout", "stderr", "events"]
+EVERY_CHANNEL: tuple[Channel, ...] = ("stdout", "stderr", "events")
+EventHandler = Callable[[int, Any], None]  # (rank, event)
+
+
+@dataclass
+class RankChannels:
+    """The kernel's ends of one rank's channels."""
+
+    rank: int
+    stdout_fd: int = -1
+    stderr_fd: int = -1
+    events: socket.socket | None = None  # non-blocking, read by the selector loop
+    inbox: socket.socket | None = None  # blocking: a call's frame goes out whole
+    event_reader: MessageReader = field(default_factory=MessageReader)
+
+    def fd(self, channel: Channel) -> int:
+        if channel == "events":
+            return self.events.fileno() if self.events is not None else -1
+        return self.stdout_fd if channel == "stdout" else self.stderr_fd
+
+    def close(self) -> None:
+        for fd in (self.stdout_fd, self.stderr_fd):
+            _close_quietly(fd)
+        for sock in (self.events, self.inbox):
+            if sock is not None:
+                sock.close()
+        self.event_reader.close()  # fds of a frame that never arrived whole
+
+
+class ChannelPump:
+    """Every rank's channels, and the selector over them and the helper's socket."""
+
+    def __init__(self, output: OutputRouter, on_step: StepHook | None = None) -> None:
+        self.output = output
+        self.ranks: list[RankChannels] = []
+        self._by_rank: dict[int, RankChannels] = {}
+        self._on_step = on_step
+        self._selector: selectors.BaseSelector | None = None
+        self._fd_owner: dict[int, tuple[RankChannels, Channel]] = {}
+        self._helper_fd = -1
+        self._on_helper: Callable[[], None] = _nothing
+        self._their_ends: list[int] = []  # the workers' ends, until the helper has them
+
+    def get(self, rank: int) -> RankChannels | None:
+        return self._by_rank.get(rank)
+
+    # ── opening ─────────────────────────────────────────────────────────────────────────────
+    def open(self, rank: int) -> list[int]:
+        """One rank's four channels; returns the ends it gets (stdout, stderr, events, inbox)."""
+        if self._selector is None:
+            self._selector = selectors.DefaultSelector()
+        channels = RankChannels(rank)
+        self.ranks.append(channels)
+        self._by_rank[rank] = channels
+        theirs: list[int] = []
+        for name in ("stdout", "stderr"):
+            with held_interrupts():  # bare fds: owned before a Ctrl-C may surface
+                read_end, write_end = os.pipe()
+                setattr(channels, f"{name}_fd", read_end)
+                self._their_ends.append(write_end)
+            theirs.append(write_end)
+            self._step("pipe-opened")
+            _enlarge(read_end)
+            os.set_blocking(read_end, False)
+        for name in ("events", "inbox"):
+            ours, their_socket = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+            setattr(channels, name, ours)
+            their_end = their_socket.detach()  # a plain fd from now on: _their_ends owns it
+            self._their_ends.append(their_end)
+            theirs.append(their_end)
+            self._step("pipe-opened")
+        assert channels.events is not None
+        channels.events.setblocking(False)
+        return theirs
+
+    def close_their_ends(self) -> None:
+        """The workers hold their ends now: closing ours makes end of file work both ways."""
+        while self._their_ends:
+            _close_quietly(self._their_ends.pop())
+
+    def watch(self, helper_fd: int, on_helper: Callable[[], None]) -> None:
+        """Start reading every rank's channels, and the helper's socket (``on_helper`` reads it)."""
+        assert self._selector is not None
+        for channels in self.ranks:
+            for name in EVERY_CHANNEL:
+                fd = channels.fd(name)
+                self._selector.register(fd, selectors.EVENT_READ)
+                self._fd_owner[fd] = (channels, name)
+        self._helper_fd, self._on_helper = helper_fd, on_helper
+        self._selector.register(helper_fd, selectors.EVENT_READ)
+
+    # ── reading ─────────────────────────────────────────────────────────────────────────────
+    def pump(self, timeout: float, on_event: EventHandler) -> None:
+        """Read what is ready within ``timeout`` s: a chunk per ready channel, the helper's reports."""
+        assert self._selector is not None
+        for key, _ in self._selector.select(timeout):
+            fd = int(key.fd)  # type: ignore[arg-type]
+            if fd == self._helper_fd:
+                self._on_helper()
+                continue
+            channels, name = self._fd_owner[fd]
+            self._read(channels, name, fd, on_event)
+
+    def drain(self, rank: int, on_event: EventHandler, names: tuple[Channel, ...] = EVERY_CHANNEL) -> None:
+        """Read everything ``rank`` wrote so far (a dead rank: all it ever wrote)."""
+        channels = self.get(rank)
+        if channels is None or self._selector is None:
+            return
+        for name in names:
+            fd = channels.fd(name)
+            while fd in self._selector.get_map() and self._read(channels, name, fd, on_event):
+                pass
+
+    def _read(self, channels: RankChannels, name: Channel, fd: int, on_event: EventHandler) -> bool:
+        """Read one chunk if there is one; True when data came (more may follow)."""
+        fds: list[int] = []
+        try:
+            if name == "events":
+                assert channels.events is not None
+                with held_interrupts():  # received fds: queued before a Ctrl-C may surface
+                    chunk, fds = receive_chunk(channels.events)
+                    events = channels.event_reader.feed(chunk, fds) if chunk else []
+            else:
+                chunk = os.read(fd, 1 << 20)
+        except BlockingIOError:
+            return False
+        except ConnectionResetError:
+            chunk = b""
+        if not chunk:
+            self._unwatch(fd)
+            return False
+        if name == "events":
+            for event in events:
+                on_event(channels.rank, event)
+        else:
+            self.output.feed(channels.rank, name, chunk)
+        return True
+
+    def unwatch_helper(self) -> None:
+        self._unwatch(self._helper_fd)
+
+    def _unwatch(self, fd: int) -> None:
+        assert self._selector is not None
+        if fd in self._selector.get_map():
+            self._selector.unregister(fd)
+
+    def close(self) -> None:
+        """Free every fd, ours and the workers' ends not handed over yet."""
+        for channels in self.ranks:
+            channels.close()
+        self.close_their_ends()
+        if self._selector is not None:
+            self._selector.close()
+
+    def _step(self, name: str) -> None:
+        if self._on_step is not None:
+            self._on_step(name)
+
+
+def _nothing() -> None:
+    pass
+
+
+def _enlarge(fd: int) -> None:
+    try:
+        fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_SIZE)
+    except OSError:  # capped by /proc/sys/fs/pipe-max-size; the default still works
+        pass
+
+
+def _close_quietly(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass

@@ -1,0 +1,88 @@
+"""What the kernel writes into the local ranks' inboxes: a call, a reply to a prompt, ``Shutdown``.
+
+A call is one frame for all ranks (its big buffers are written once, each rank maps them); a
+reply or ``Shutdown`` is one small frame for one rank. :class:`RankInboxes` also keeps how far the
+current call got (:attr:`~RankInboxes.phase`): an interrupt that lands while a frame is being
+written leaves half a frame in an inbox, and such inboxes take nothing more
+(:attr:`~RankInboxes.half_written`), so the group cannot go on.
+
+    >>> inboxes = RankInboxes(on_step=None)                                         # doctest: +SKIP
+    >>> inboxes.send_call(call_id, payload, value_ranks, [c.inbox, ...], every_rank=True)  # doctest: +SKIP
+    >>> inboxes.phase                                                                # doctest: +SKIP
+    'sending'
+
+The call carries the notebook's cell sources that not every rank has yet
+(:mod:`accelnb.kernel.run.cell_sources`).
+"""
+
+from __future__ import annotations
+
+import socket
+
+from accelnb.kernel.helper.client import StepHook
+from accelnb.kernel.run.call_outcome import CallPhase
+from accelnb.kernel.run.cell_sources import in_memory_sources
+from accelnb.wire.buffers import Packed
+from accelnb.wire.channel import encode, send_frame
+from accelnb.wire.events import InputReply, RunCall, Shutdown
+from accelnb.wire.held_interrupts import held_interrupts
+
+
+class RankInboxes:
+    """Writes to the ranks' inboxes, and what an interrupted write left behind."""
+
+    def __init__(self, on_step: StepHook | None = None) -> None:
+        self.phase: CallPhase = "unsent"  # of the current call; the group sets "running" once sent
+        self.half_written = False  # an interrupted write left half a frame in an inbox
+        self._sources_sent: set[str] = set()  # notebook cell sources every rank has (cell_sources.py)
+        self._on_step = on_step
+
+    def send_call(self, call_id: int, payload: Packed, value_ranks: set[int], inboxes: list[socket.socket],
+                  *, every_rank: bool) -> None:
+        """Write one call to ``inboxes`` (the live ranks it runs on); ``every_rank``: the call runs
+        on every rank, so every rank has its cell sources afterwards."""
+        sources = in_memory_sources(already_sent=self._sources_sent)
+        call = RunCall(call_id, payload, frozenset(value_ranks), sources=sources)
+        with encode(call) as frame:
+            for inbox in inboxes:
+                self._step("call-writing")
+                self.phase = "sending"
+                self.half_written = True  # until the whole frame is out
+                try:
+                    send_frame(inbox, frame, self._after_write)
+                except (BrokenPipeError, ConnectionResetError):
+                    pass  # it died already; its exit report explains why
+                self.half_written = False
+        if every_rank:  # a --ranks call gave them to some ranks only
+            self._sources_sent.update(filename for filename, _ in sources)
+        self._step("call-sent")
+
+    def send_reply(self, inbox: socket.socket | None, reply: InputReply) -> None:
+        """A rank's line for its prompt (or end of input); nothing when it cannot take it."""
+        if inbox is None or self.half_written:
+            return
+        with encode(reply) as frame, held_interrupts():  # a reply goes out whole, or not at all
+            try:
+                send_frame(inbox, frame)
+            except OSError:
+                pass  # it died meanwhile; its exit report explains why
+
+    def send_shutdown(self, inboxes: list[socket.socket]) -> bool:
+        """Ask these ranks to leave; False (nothing sent) when an inbox holds half a frame."""
+        if self.half_written:
+            return False
+        shutdown = encode(Shutdown())
+        for inbox in inboxes:
+            try:
+                send_frame(inbox, shutdown)
+            except OSError:
+                pass
+        return True
+
+    def _after_write(self, bytes_left: int) -> None:
+        if bytes_left:
+            self._step("call-part-written")
+
+    def _step(self, name: str) -> None:
+        if self._on_step is not None:
+            self._on_step(name)

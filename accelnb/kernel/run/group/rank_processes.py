@@ -1,0 +1,236 @@
+"""The local ranks' processes, from fork to gone: start via the helper, undo a half start, the stop
+ladder, kill what survives a close, bury the workers of a helper that died.
+
+:class:`RankProcesses` signals and waits; it decides nothing about failures. Each operation
+returns what happened (:class:`StopReport`: which ranks it stopped, which would not go), and every
+rank's :class:`RankProcess` keeps its exit code and the signals accelnb sent it, so that the
+caller (:class:`~accelnb.kernel.run.supervisor.WorkerGroup`) tells a rank that crashed from one it
+ended: torch elastic's ``PContext.wait`` returns a ``RunProcsResult`` in the same spirit and the
+agent decides what to raise.
+
+    >>> processes = RankProcesses(helper, on_step=None)                         # doctest: +SKIP
+    >>> processes.spawn(specs, fds)                                             # doctest: +SKIP
+    >>> report = processes.stop(grace=3.0, wait_for_exits=pump_until)           # doctest: +SKIP
+    >>> report.stopped, report.unreaped                                         # doctest: +SKIP
+    ([0, 1], [])
+
+Exits are reported by the helper, whose socket the caller's pump reads: the ladder waits through
+``wait_for_exits(deadline)``, the caller's function that pumps until every rank is gone or the
+deadline passes (pumping also keeps a dying rank from blocking on a full pipe).
+
+Process groups, not pids, are signalled to end a rank, so its own children (DataLoader workers)
+go too; a rank's stack dump (SIGUSR1) or a session's interrupt (SIGINT) goes to its pid only.
+"""
+
+from __future__ import annotations
+
+import os
+import select
+import signal
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from accelnb.kernel.helper.client import StepHook, WorkerHelper
+from accelnb.wire.spec import WorkerSpec
+
+KILL_WAIT_S = 5.0  # after SIGKILL: how long until the helper reports the exits
+BURY_WAIT_S = 1.0  # the helper died: how long its workers may take to be gone
+
+
+@dataclass
+class RankProcess:
+    """One rank's worker process."""
+
+    rank: int
+    pid: int = 0  # 0 until the helper forked it
+    exit_code: int | None = None  # negative: killed by that signal
+    signals_sent: set[int] = field(default_factory=set)  # an exit by one of these is ours, not a crash
+
+    @property
+    def alive(self) -> bool:
+        return self.exit_code is None
+
+    def ended_by_us(self, exit_code: int) -> bool:
+        """Whether an exit with ``exit_code`` came from a signal accelnb sent (a SIGKILL from
+        outside before ours is a crash)."""
+        return -exit_code in self.signals_sent
+
+
+@dataclass(frozen=True)
+class StopReport:
+    """What a stop did."""
+
+    stopped: list[int]  # the ranks that were alive when it began
+    unreaped: list[int]  # not reported gone after the SIGKILL wait (signalled once more)
+
+
+class RankProcesses:
+    """The worker processes of one group, one per rank, in rank order."""
+
+    def __init__(self, helper: WorkerHelper, on_step: StepHook | None = None) -> None:
+        self.helper = helper
+        self._on_step = on_step
+        self.ranks: list[RankProcess] = []
+        self._by_rank: dict[int, RankProcess] = {}
+        self._spawned_pids: list[int] = []
+
+    def get(self, rank: int) -> RankProcess | None:
+        return self._by_rank.get(rank)
+
+    def live_ranks(self) -> list[int]:
+        return [p.rank for p in self.ranks if p.alive]
+
+    def any_alive(self) -> bool:
+        return any(p.alive for p in self.ranks)
+
+    def is_alive(self, rank: int) -> bool:
+        process = self.get(rank)
+        return process is not None and process.alive
+
+    # ── starting ────────────────────────────────────────────────────────────────────────────
+    def spawn(self, specs: Sequence[WorkerSpec], fds: list[int]) -> None:
+        """Have the helper fork one worker per spec; ``fds`` are their channel ends, in order."""
+        self.ranks = [RankProcess(spec.rank) for spec in specs]
+        self._by_rank = {process.rank: process for process in self.ranks}
+        self._spawned_pids = self.helper.spawn(specs, fds, on_step=self._on_step)
+        if self._on_step is not None:
+            self._on_step("spawned")
+        for process, pid in zip(self.ranks, self._spawned_pids, strict=True):
+            process.pid = pid
+
+    def abort_start(self) -> None:
+        """Undo a start that did not finish: kill what was forked (a second interrupt cuts the
+        wait short; with their inboxes closed, the workers end themselves)."""
+        try:
+            if self._spawned_pids and not self.helper.lost:
+                self.helper.wait_for_exits(self._spawned_pids, time.monotonic() + KILL_WAIT_S)
+        except KeyboardInterrupt:
+            pass  # no more patience
+        finally:
+            for process in self.ranks:
+                process.exit_code = process.exit_code if process.exit_code is not None else -signal.SIGKILL
+
+    # ── signals ─────────────────────────────────────────────────────────────────────────────
+    def signal(self, rank: int, sig: int) -> None:
+        """Send ``sig`` to one rank's process only (a stack dump, an interrupt of its call)."""
+        process = self.get(rank)
+        if process is not None:
+            _signal_pid(process.pid, sig)
+
+    def note_exit(self, rank: int, exit_code: int) -> None:
+        process = self.get(rank)
+        if process is not None:
+            process.exit_code = exit_code
+
+    # ── stopping ────────────────────────────────────────────────────────────────────────────
+    def stop(self, grace: float, wait_for_exits: Callable[[float], None]) -> StopReport:
+        """SIGTERM every live rank, SIGKILL what is left after ``grace``.
+
+        ``wait_for_exits(deadline)`` pumps until every rank is gone or ``deadline``. A second
+        interrupt while it waits cuts the grace short: SIGKILL at once.
+        """
+        stopped = self.live_ranks()
+        while True:
+            try:
+                unreaped = self._ladder(grace, wait_for_exits)
+                break
+            except KeyboardInterrupt:
+                grace = 0.0
+        return StopReport(stopped, unreaped)
+
+    def _ladder(self, grace: float, wait_for_exits: Callable[[float], None]) -> list[int]:
+        for process in self.ranks:
+            if process.alive:
+                _signal_group(process, signal.SIGTERM if grace > 0 else signal.SIGKILL)
+        wait_for_exits(time.monotonic() + grace)
+        for process in self.ranks:
+            if process.alive:
+                _signal_group(process, signal.SIGKILL)
+        wait_for_exits(time.monotonic() + KILL_WAIT_S)
+        # A reaped worker is not signalled again: its pid may already be reused, and the helper
+        # reports an exit only after ending everything that rank left behind (worker/helper.py).
+        unreaped = [process for process in self.ranks if process.alive]
+        for process in unreaped:
+            _signal_group(process, signal.SIGKILL)
+        return [process.rank for process in unreaped]
+
+    def kill_survivors(self) -> list[int]:
+        """SIGKILL every rank still running and wait until it is gone; returns those ranks."""
+        survivors = [p for p in self.ranks if p.alive and p.pid]
+        if not survivors:
+            return []
+        pids = [p.pid for p in survivors]
+        if self.helper.lost:
+            for process in survivors:
+                _signal_group(process, signal.SIGKILL)
+            _wait_gone(pids, time.monotonic() + BURY_WAIT_S)
+        else:
+            self.helper.wait_for_exits(pids, time.monotonic() + KILL_WAIT_S)
+        for process in survivors:
+            process.exit_code = -signal.SIGKILL
+        return [p.rank for p in survivors]
+
+    def bury(self) -> list[int]:
+        """The helper died: its workers die with it (PDEATHSIG). Make sure (a rank's own children
+        have no PDEATHSIG), and wait until they are gone; returns the ranks that were alive.
+
+        Their exit codes are left to the caller, which first reads what they wrote last.
+        """
+        live = [p for p in self.ranks if p.alive]
+        for process in live:
+            _signal_group(process, signal.SIGKILL)
+        _wait_gone([p.pid for p in live], time.monotonic() + BURY_WAIT_S)
+        return [p.rank for p in live]
+
+
+def _signal_group(process: RankProcess, sig: int) -> None:
+    if process.alive:
+        process.signals_sent.add(sig)
+    try:
+        # Just forked, a worker may not have called setsid() yet: then only its pid can be reached.
+        # Never both: a function's own SIGTERM handler must run once.
+        if os.getpgid(process.pid) == process.pid:
+            os.killpg(process.pid, sig)
+        else:
+            os.kill(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    try:
+        os.kill(pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _wait_gone(pids: list[int], deadline: float) -> None:
+    """Wait until none of ``pids`` runs (gone, or a zombie nobody reaps yet), or ``deadline``.
+
+    They are not our children (the dead helper's, re-parented), so nothing can be waited on but a
+    pidfd, which becomes readable when its process exits; /proc is polled where there is none.
+    """
+    for pid in pids:
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            continue  # gone already
+        except (AttributeError, OSError):  # no pidfd_open (Linux < 5.3)
+            while _runs(pid) and time.monotonic() < deadline:
+                time.sleep(0.005)
+            continue
+        try:
+            select.select([pidfd], [], [], max(0.0, deadline - time.monotonic()))
+        finally:
+            os.close(pidfd)
+
+
+def _runs(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read()
+    except OSError:
+        return False
+    state = fields[fields.rindex(b")") + 2:][:1]  # after "pid (comm) "; comm may hold spaces
+    return state not in (b"Z", b"X")

@@ -1,0 +1,135 @@
+"""The call protocol both groups share (``kernel/run/group/call_protocol.py``), on fake ranks.
+
+The stop policy (what each ending stops, and how patiently) is checked here without forking a
+process or starting Ray: the fake ranks answer when pumped, as the test scripted them.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from accelnb.errors import RankFailure
+from accelnb.kernel.run.group.call_answers import CallAnswers
+from accelnb.kernel.run.group.call_protocol import CallProtocol, CallRanks, StopWhy
+
+
+@dataclass
+class FakeRanks:
+    """Two ranks whose answers arrive on the next pump; records what the protocol asked."""
+
+    persistent: bool = False
+    alive: list[int] = field(default_factory=lambda: [0, 1])
+    answers_on_pump: dict[int, bytes] = field(default_factory=dict)  # rank -> value, delivered once pumped
+    answer_when_interrupted: bool = False
+    stops: list[StopWhy] = field(default_factory=list)
+    interrupted: list[int] = field(default_factory=list)
+    stop_raises: bool = False
+    prompt_seconds: float = 0.0
+
+    def port(self) -> CallRanks:
+        return CallRanks(
+            persistent=self.persistent, interrupt_grace=0.2, size=lambda: 2, live_ranks=lambda: list(self.alive),
+            usable=lambda: self.alive == [0, 1], helper_death=lambda: None, pump=self.pump,
+            between_pumps=lambda answers: self.prompt_seconds, interrupt=self.interrupted.append, stop=self.stop,
+            stacks_at_timeout=lambda: {0: "stack 0", 1: "stack 1"})
+
+    def pump(self, timeout: float, answers: CallAnswers) -> None:
+        for rank, value in self.answers_on_pump.items():
+            if answers.call_id is not None:
+                answers.values.setdefault(rank, value)
+
+    def stop(self, why: StopWhy, answers: CallAnswers) -> list[int]:
+        self.stops.append(why)
+        if self.stop_raises:
+            self.stop_raises = False
+            raise KeyboardInterrupt
+        stopped, self.alive = list(self.alive), []
+        return stopped
+
+
+def failure(rank: int) -> RankFailure:
+    return RankFailure(rank, 100 + rank, "exception", "ValueError: bad")
+
+
+def test_every_rank_answering_ends_the_call_with_nothing_stopped() -> None:
+    ranks = FakeRanks(answers_on_pump={0: b"a", 1: b"b"})
+    protocol = CallProtocol(ranks.port())
+    answers = protocol.begin(None)
+    assert protocol.wait(answers, None, threading.Event()) == "answered"
+    outcome = protocol.conclude(answers.outcome("answered", None), answers)
+    assert (outcome.values, ranks.stops, outcome.workers_kept) == ({0: b"a", 1: b"b"}, [], True)
+
+
+def test_a_failure_stops_every_rank_and_names_those_that_had_not_answered() -> None:
+    ranks = FakeRanks(answers_on_pump={1: b"b"})
+    protocol = CallProtocol(ranks.port())
+    answers = protocol.begin(None)
+    answers.failures.append(failure(0))
+    assert protocol.wait(answers, None, None) == "failed"
+    outcome = protocol.conclude(answers.outcome("failed", None), answers)
+    assert ranks.stops == ["failed"]
+    assert outcome.stopped == [0]  # rank 1 answered before the stop: it is not named as stopped
+    assert not outcome.workers_kept
+
+
+def test_a_session_keeps_its_ranks_when_every_rank_answers_a_failure() -> None:
+    ranks = FakeRanks(persistent=True, answers_on_pump={1: b"b"})
+    protocol = CallProtocol(ranks.port())
+    answers = protocol.begin(None)
+    answers.failures.append(failure(0))
+    outcome = protocol.conclude(answers.outcome("failed", None), answers)
+    assert (ranks.stops, outcome.stopped, outcome.workers_kept) == ([], [], True)
+
+
+def test_a_timeout_reads_the_stacks_before_it_stops_the_ranks() -> None:
+    ranks = FakeRanks()
+    protocol = CallProtocol(ranks.port())
+    answers = protocol.begin(None)
+    assert protocol.wait(answers, 0.0, None) == "timed_out"
+    outcome = protocol.conclude(answers.outcome("timed_out", 0.0), answers)
+    assert (outcome.stacks, ranks.stops) == ({0: "stack 0", 1: "stack 1"}, ["timed_out"])
+
+
+def test_a_session_interrupt_interrupts_only_the_ranks_still_running_the_call() -> None:
+    ranks = FakeRanks(persistent=True, answers_on_pump={0: b"a"})
+    protocol = CallProtocol(ranks.port())
+    answers = protocol.begin(frozenset({0, 1}))
+    answers.values[0] = b"a"
+    outcome = protocol.conclude(answers.outcome("interrupted", None), answers)
+    assert ranks.interrupted == [1]
+    assert ranks.stops == ["interrupted"]  # rank 1 never answered within the grace
+    assert not outcome.workers_kept
+
+
+def test_an_interrupt_before_the_call_went_out_stops_nothing_in_a_session() -> None:
+    ranks = FakeRanks(persistent=True)
+    protocol = CallProtocol(ranks.port())
+    answers = protocol.begin(None)
+    outcome = protocol.conclude(answers.outcome("interrupted", None, phase="unsent"), answers)
+    assert (ranks.interrupted, ranks.stops, outcome.workers_kept) == ([], [], True)
+
+
+def test_an_interrupt_while_stopping_stops_at_once() -> None:
+    ranks = FakeRanks(stop_raises=True)
+    protocol = CallProtocol(ranks.port())
+    answers = protocol.begin(None)
+    answers.failures.append(failure(1))
+    protocol.conclude(answers.outcome("failed", None), answers)
+    assert ranks.stops == ["failed", "at_once"]
+
+
+def test_a_stop_request_is_taken_once() -> None:
+    protocol = CallProtocol(FakeRanks().port())
+    requested = threading.Event()
+    requested.set()
+    assert protocol.wait(protocol.begin(None), None, requested) == "stop_requested"
+    assert not requested.is_set()
+
+
+def test_a_failure_seen_between_calls_is_the_next_calls_root_cause() -> None:
+    protocol = CallProtocol(FakeRanks().port())
+    protocol.between_calls.failures.append(failure(1))
+    answers = protocol.begin(None)
+    assert [f.rank for f in answers.failures] == [1] and protocol.between_calls.failures == []
+    assert protocol.begin(None).call_id == answers.call_id + 1  # type: ignore[operator]
