@@ -55,15 +55,6 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "accelnb.demo": ("accelnb",),
 }
 
-# Import edges that close a cycle known today, each with why it is there. The cycle check leaves
-# these out; a test below fails once an edge no longer closes a cycle, so the list cannot go stale.
-KNOWN_CYCLE_EDGES: dict[tuple[str, str], str] = {
-    # cluster_backend("ray") imports its backend lazily, and the backend (and rank_layout) import
-    # ClusterRequest from the package's __init__: accelnb.cluster -> ray_backend -> accelnb.cluster.
-    ("accelnb.cluster", "accelnb.cluster.ray_backend"): "ClusterRequest lives in cluster/__init__.py",
-}
-
-
 def _module_name(path: Path) -> str:
     parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
@@ -159,17 +150,6 @@ def _find_cycle(graph: Mapping[str, Set[str]]) -> list[str] | None:
     return None
 
 
-def _reaches(graph: Mapping[str, Set[str]], start: str, goal: str) -> bool:
-    seen, todo = {start}, [start]
-    while todo:
-        node = todo.pop()
-        if node == goal:
-            return True
-        todo.extend(target for target in graph.get(node, ()) if target not in seen)
-        seen.update(graph.get(node, ()))
-    return False
-
-
 SOURCES = sorted(p for p in PACKAGE.rglob("*.py") if "labextension" not in p.parts)
 GRAPH = {_module_name(path): _imported_files(path.read_text()) for path in SOURCES}
 
@@ -206,17 +186,8 @@ def test_no_folder_holds_more_than_15_modules() -> None:
 
 
 def test_no_import_cycle_between_files() -> None:
-    graph = {module: {target for target in targets if (module, target) not in KNOWN_CYCLE_EDGES}
-             for module, targets in GRAPH.items()}
-    cycle = _find_cycle(graph)
+    cycle = _find_cycle(GRAPH)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
-
-
-@pytest.mark.parametrize("edge", sorted(KNOWN_CYCLE_EDGES), ids=" -> ".join)
-def test_each_known_cycle_is_still_one(edge: tuple[str, str]) -> None:
-    importer, imported = edge
-    assert imported in GRAPH[importer], f"{importer} no longer imports {imported}: drop it from KNOWN_CYCLE_EDGES"
-    assert _reaches(GRAPH, imported, importer), f"{edge} closes no cycle any more: drop it from KNOWN_CYCLE_EDGES"
 
 
 def test_the_cycle_check_finds_a_cycle() -> None:

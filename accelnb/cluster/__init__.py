@@ -1,6 +1,6 @@
 """Backends that run the ranks on a cluster engine's nodes rather than on this machine.
 
-A backend is a module with two functions over a :class:`ClusterRequest` (a view of the launch's
+A backend is a module with two functions over a :class:`ClusterRequest` (``cluster/request.py``: a view of the launch's
 settled options, :class:`accelnb.options.SettledOptions`, filled by field name):
 
 - ``check(request)``: everything that can fail before anything starts (the engine is not
@@ -21,27 +21,13 @@ module that is a cluster rank's body (``worker/ray_rank.py``, which its actors r
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Protocol
 
+from accelnb.cluster.request import ClusterRequest
 from accelnb.errors import LaunchConfigError
-from accelnb.kernel.planning.rank_environment import RankOptions
 from accelnb.kernel.run.rank_group import RankGroup
 
-
-@dataclass(frozen=True)
-class ClusterRequest:
-    """What a cluster launch asks for: the settled options a backend reads, each field filled by
-    its name (``SettledOptions.view``), so an option a backend needs is one field here and no
-    caller copies it. Checked value by value by ``LaunchOptions`` already."""
-
-    num_processes: int | None
-    nodes: int | None
-    gpus_per_node: int | None
-    cpu: bool = False
-    backend: str | None = None
-    quiet: bool = False
-    rank_options: RankOptions = field(default_factory=RankOptions)  # what every rank's environment gets
+__all__ = ["ClusterBackend", "ClusterRequest", "cluster_backend"]
 
 
 class ClusterBackend(Protocol):

@@ -29,7 +29,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from accelnb.cluster import ClusterRequest
+from accelnb.cluster.request import ClusterRequest
 from accelnb.errors import LaunchConfigError
 from accelnb.kernel.planning.rank_environment import RankOptions
 from accelnb.kernel.planning.rank_plan import LaunchPlan, RankSpec

@@ -16,7 +16,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from accelnb.cluster import ClusterRequest
 from accelnb.cluster.rank_layout import (
     CPUS_PER_RANK,
     PlacedActor,
@@ -28,6 +27,7 @@ from accelnb.cluster.rank_layout import (
 )
 from accelnb.cluster.ray_connection import connected_ray
 from accelnb.cluster.ray_group import RayRankGroup
+from accelnb.cluster.request import ClusterRequest
 from accelnb.errors import LaunchConfigError, WorkerStartError
 from accelnb.kernel.display.output import OutputRouter, notebook_sink
 from accelnb.kernel.planning.worker_specs import worker_specs
