@@ -38,7 +38,7 @@ from typing import Any
 from accelnb.wire import channel
 from accelnb.wire.events import InputReply, Joined, RunCall, Shutdown
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import process_group, rank_debugger, rank_input, report, restarts
+from accelnb.worker import plain_process, process_group, rank_debugger, rank_input, report, restarts
 from accelnb.worker.rank_body import (
     chdir_quietly,
     compile_in_process,
@@ -114,6 +114,7 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     chdir_quietly(spec.cwd)
     sys.path[:] = spec.sys_path
     install_streams()
+    plain_process.shed_the_notebook()  # a fork of the kernel must not look like a notebook
     # Straight to fd 2, which survives a user replacing sys.stderr.
     faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)
