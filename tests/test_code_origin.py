@@ -104,8 +104,10 @@ go = Path(tempfile.mkdtemp()) / "go"
 
 def waits_then_fails(go):
     import os, sys, time
-    open(f"{go}.rank{os.environ['RANK']}", "w").close()
-    while not os.path.exists(go): time.sleep(0.02)  # one line: the stacks' line number is sure
+    here = f"{go}.rank{os.environ['RANK']}"
+    # One line: the rank says it is here from inside the loop, so its stack is at this line
+    # whenever the caller has seen it here.
+    while not os.path.exists(go): open(here, "a").close(); time.sleep(0.02)  # noqa: E702
     forked = hasattr(sys, "accelnb_test_marker")
     raise ValueError(f"rank {os.environ['RANK']} forked from the kernel: {forked}")
 
@@ -160,8 +162,10 @@ sys.accelnb_test_marker = True  # in this process's memory only: a fork of it ha
 
 def waits_then_fails(go):
     import torch.distributed as dist
-    open(f"{go}.rank{dist.get_rank()}", "w").close()
-    while not os.path.exists(go): time.sleep(0.02)  # one line: the stacks' line number is sure
+    here = f"{go}.rank{dist.get_rank()}"
+    # One line: the rank says it is here from inside the loop, so its stack is at this line
+    # whenever the caller has seen it here.
+    while not os.path.exists(go): open(here, "a").close(); time.sleep(0.02)  # noqa: E702
     if dist.get_rank() == 1:
         breakpoint()
         forked = hasattr(sys, "accelnb_test_marker")
