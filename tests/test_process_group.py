@@ -73,6 +73,11 @@ def run_demo_basic() -> list[float]:
     return demo_basic(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]))
 
 
+# Hangs about 1 run in 6 (seen in a fresh-clone run and in a loop of this test): rank 0 has
+# answered; rank 1 sits at run_demo_basic's return with no deeper Python frame, in a futex, while
+# demo_basic's DDP object is torn down after its own destroy_process_group(). Kept out of `make
+# test` until the cause is found (issue 25); `make soak` runs it, and the timeout shows the stacks.
+@pytest.mark.slow
 def test_the_tutorials_setup_and_cleanup_run_unchanged() -> None:
     # timeout=: a hang (seen once in a full run) fails in 2 minutes with every rank's stack.
     result = launch(run_demo_basic, num_processes=2, quiet=True, collect="all", timeout=120)
