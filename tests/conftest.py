@@ -10,16 +10,22 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import nbclient
-import nbformat
 import psutil
 import pytest
-from jupyter_client.blocking.client import BlockingKernelClient
-from jupyter_client.manager import KernelManager, start_new_kernel
 
 from accelnb.kernel.helper.client import running_helper_pid
+
+if TYPE_CHECKING:
+    from jupyter_client.blocking.client import BlockingKernelClient
+    from jupyter_client.manager import KernelManager
+
+# nbformat, nbclient and jupyter_client are imported inside the functions that need them, never
+# here: every test module imports this one, and a rank that runs a test module's function imports
+# that module (functions of an importable module travel by reference). nbformat pulls in
+# jsonschema, whose format checker builds a grammar at import: about 10 s on each rank of every
+# such launch, which once made `make test` take 21 minutes instead of 12.
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -76,6 +82,8 @@ def live_descendants(pid: int) -> list[psutil.Process]:
 def start_repo_kernel(**env: str | None) -> tuple[KernelManager, BlockingKernelClient]:
     """A real kernel importing this working tree's accelnb; ``env`` sets (or, with None, removes)
     variables of its environment."""
+    from jupyter_client.manager import start_new_kernel
+
     environ = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     for name, value in env.items():
         if value is None:
@@ -111,6 +119,9 @@ def no_leftovers() -> Iterator[None]:
 
 def run_notebook(cells: list[str], timeout: int = 180, env: dict[str, str] | None = None) -> list[Any]:
     """Execute ``cells`` in a fresh real kernel; returns each cell's outputs."""
+    import nbclient
+    import nbformat
+
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})

@@ -18,8 +18,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import nbclient
-import nbformat
 import pytest
 
 from accelnb import LaunchFailed, launch
@@ -331,19 +329,23 @@ accelnb.launch(lambda: None, num_processes=2, quiet=True)
 """
 
 
-class CountingClient(nbclient.NotebookClient):
-    """Counts the display messages each cell received (updates are merged in the outputs)."""
-
-    display_messages: dict[int, int]
-
-    def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
-        if msg["msg_type"] in ("display_data", "update_display_data"):
-            self.display_messages[cell_index] = self.display_messages.get(cell_index, 0) + 1
-        return super().process_message(msg, cell, cell_index)
-
-
 @pytest.fixture(scope="module")
 def notebook(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[Any], dict[int, int]]:
+    # Imported here, not at the top: the ranks of this module's launches import the module, and
+    # nbformat costs each of them seconds (see conftest.py).
+    import nbclient
+    import nbformat
+
+    class CountingClient(nbclient.NotebookClient):
+        """Counts the display messages each cell received (updates are merged in the outputs)."""
+
+        display_messages: dict[int, int]
+
+        def process_message(self, msg: dict[str, Any], cell: Any, cell_index: int) -> Any:
+            if msg["msg_type"] in ("display_data", "update_display_data"):
+                self.display_messages[cell_index] = self.display_messages.get(cell_index, 0) + 1
+            return super().process_message(msg, cell, cell_index)
+
     cells = [SETUP, REPORT, ACCELERATE, STORM, PROGRESS, TQDM, NOTHING]
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
     client = CountingClient(nb, kernel_name="python3", timeout=120,
