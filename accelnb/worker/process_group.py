@@ -43,7 +43,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from accelnb.wire.spec import WorkerSpec
@@ -65,6 +65,8 @@ class _Launched:
     original_init: Callable[..., None]
     generation: int = 0  # groups made so far on this store: each gets its own key prefix
     ours: bool = False  # the default group is the one accelnb made (not the code's own)
+    # Every default group made in this rank, kept alive until the rank exits (see _keep_alive).
+    kept: list[Any] = field(default_factory=list)
 
 
 _launched: _Launched | None = None
@@ -97,10 +99,17 @@ def join_default_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist:
 
 def ensure_default_group() -> None:
     """Before a call of a persistent session: the code of an earlier call may have destroyed the
-    default group; make accelnb's again, so that this call finds one (every rank runs this)."""
+    default group; make accelnb's again, so that this call finds one (every rank runs this).
+
+    Groups the earlier calls destroyed are let go here, between calls, where their destructor is
+    safe: their worker threads have long finished (see :func:`_keep_alive`).
+    """
     import torch.distributed as dist
 
-    if _launched is not None and not dist.is_initialized():
+    if _launched is None:
+        return
+    _launched.kept = [group for group in _launched.kept if group is dist.group.WORLD]
+    if not dist.is_initialized():
         _make_accelnb_group(dist)
 
 
@@ -136,7 +145,25 @@ def _init_on_launch_store(dist: Any, backend: Any, **requested: Any) -> None:
     store = dist.PrefixStore(prefix, _launched.store)
     spec = _launched.spec
     _launched.original_init(backend, store=store, rank=spec.rank, world_size=spec.world_size, **requested)
+    _keep_alive(dist.group.WORLD)
     _wait_until_every_rank_joined(store, spec.world_size)
+
+
+def _keep_alive(group: Any) -> None:
+    """Hold a reference to ``group`` until the rank exits, so that its C++ destructor never runs
+    inside the code.
+
+    Code written for the PyTorch DDP tutorial calls ``destroy_process_group()`` and returns; the
+    DDP object dies with the frame, and with it the last reference to the group. The gloo group's
+    destructor joins its worker threads while the main thread holds the GIL, and a worker thread
+    that is still leaving its last collective (the backward pass's all-reduce) drops the Python
+    state it captured, which needs the GIL: the rank hangs for good (about one tutorial run in
+    six, here, with the rank's stack ending in ``~ProcessGroupGloo`` -> ``std::thread::join``).
+    A destroyed group is out of torch's registry all the same, so the code can make a new one; a
+    rank leaves with ``os._exit``, where no destructor runs, and the OS closes the sockets.
+    """
+    assert _launched is not None
+    _launched.kept.append(group)
 
 
 def _wait_until_every_rank_joined(store: Any, world_size: int) -> None:
