@@ -67,6 +67,11 @@ class LaunchConfigError(AccelnbError, ValueError):
     """The launch request is invalid; nothing was started."""
 
 
+class LaunchInsideLaunchError(LaunchConfigError):
+    """A launcher (accelnb's, ``mp.spawn``, Accelerate's, Lightning's) was called inside a rank
+    and would start processes again; nothing was started. The message says what to write instead."""
+
+
 class GpuSelectionError(LaunchConfigError):
     """The GPU selection names GPUs that do not exist, repeat, or cannot be used."""
 

@@ -61,11 +61,11 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import Field, dataclass, field, fields, replace
 from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, get_args
 
-from accelnb.errors import LaunchConfigError
+from accelnb.errors import LaunchConfigError, LaunchInsideLaunchError
 from accelnb.kernel.planning.accelerate_config import AccelerateConfig, merge_placement, read_accelerate_config
 from accelnb.kernel.planning.inventory import Inventory
 from accelnb.kernel.planning.ports import check_port
-from accelnb.kernel.planning.rank_environment import RankOptions
+from accelnb.kernel.planning.rank_environment import DEVICE_ENV, RankOptions
 from accelnb.kernel.planning.rank_plan import GpuSpec
 from accelnb.kernel.planning.selection import current_selection
 from accelnb.kernel.run.engine import OutputMode
@@ -342,6 +342,7 @@ def settle(options: LaunchOptions) -> SettledOptions:
     Accelerate config file of ``config_file=`` (read and merged with the keywords given beside it,
     which win; raises on a bad file) or else, where they choose no devices, the GPU picker's
     selection. What needs the GPU inventory is left to the planner."""
+    _refuse_a_launch_inside_a_launch()
     if options.config_file is not None:
         config = read_accelerate_config(options.config_file)
         placement = merge_placement(config, gpus=options.gpus, num_processes=options.num_processes,
@@ -351,6 +352,19 @@ def settle(options: LaunchOptions) -> SettledOptions:
                               overridden=_overridden(config, options))
     chosen = _with_picker_default(options)
     return SettledOptions(chosen, given=chosen)
+
+
+def _refuse_a_launch_inside_a_launch() -> None:
+    """A launch or session started from inside a rank would start a whole new set of ranks per
+    rank; the rank's environment (``ACCELNB_DEVICE``, set only in ranks) says it is one."""
+    if DEVICE_ENV not in os.environ:
+        return
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    raise LaunchInsideLaunchError(
+        f"accelnb was asked to start ranks from inside rank {rank} of an accelnb launch of {world} ranks: "
+        f"a launch inside a launch would start a new set of ranks in every rank. Call the function "
+        f"directly: this process already is one of the {world} ranks, with torch.distributed set up. "
+        f"Or start the launch from the notebook, not from code that runs in a rank.")
 
 
 def _with_picker_default(options: LaunchOptions) -> LaunchOptions:

@@ -1,4 +1,4 @@
-"""A rank forked from the kernel looks like a plain Python process (``worker/plain_process.py``).
+"""A rank forked from the kernel looks like a plain Python process (``worker/other_launchers/plain_process.py``).
 
 A real kernel that did what Hugging Face notebooks do first (import torch, tqdm.auto and
 transformers, ask transformers whether it runs in a notebook, ``logging.basicConfig``) launches

@@ -1,4 +1,4 @@
-"""Code that makes its own process group runs unchanged (``worker/process_group.py``).
+"""Code that makes its own process group runs unchanged (``worker/other_launchers/process_group.py``).
 
 Real launches of 2 CPU ranks (gloo). The training code is written the way the PyTorch DDP
 tutorial and pytorch/examples' ddp-tutorial-series write it: a ``setup()`` that sets
@@ -74,7 +74,7 @@ def run_demo_basic() -> list[float]:
 
 
 # This hung about 1 run in 6 (rank 1 in ~ProcessGroupGloo, joining a gloo thread that waited for
-# the GIL: accelnb/worker/process_group.py's _keep_alive); 100 runs in a row pass now.
+# the GIL: accelnb/worker/other_launchers/process_group.py's _keep_alive); 100 runs in a row pass now.
 def test_the_tutorials_setup_and_cleanup_run_unchanged() -> None:
     # timeout=: a hang (seen once in a full run) fails in 2 minutes with every rank's stack.
     result = launch(run_demo_basic, num_processes=2, quiet=True, collect="all", timeout=120)

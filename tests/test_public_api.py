@@ -20,7 +20,8 @@ from tests.conftest import worker_processes
 
 EXPECTED = {
     "AccelnbError": "exception", "GpuSelectionError": "exception", "LaunchConfigError": "exception",
-    "LaunchFailed": "exception", "LaunchTimeout": "exception", "PortInUseError": "exception",
+    "LaunchFailed": "exception", "LaunchInsideLaunchError": "exception", "LaunchTimeout": "exception",
+    "PortInUseError": "exception",
     "RankCrashed": "exception", "RankFailed": "exception", "UnpicklableError": "exception",
     "WorkerStartError": "exception", "HelperDied": "exception", "RunInterrupted": "interrupt",
     "GpuInfo": "record", "Inventory": "record", "LaunchPlan": "record", "LaunchResult": "record",

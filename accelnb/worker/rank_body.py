@@ -8,7 +8,7 @@ they receive calls and send events; everything else they do alike, with the func
   (:func:`install_streams`), flushed with the metrics every 50 ms by a thread
   (:func:`start_flusher`) and at every end of a call (:func:`flush_streams_and_metrics`);
 - the rank's place: the kernel's working directory (:func:`chdir_quietly`), ``torch.compile``
-  in the rank (:func:`compile_in_process`); the default process group is ``worker/process_group.py``;
+  in the rank (:func:`compile_in_process`); the default process group is ``worker/other_launchers/process_group.py``;
 - a call: the function run on the unpickled arguments, its value or its exception sent back
   as an event, the exception's traceback cut to the user's frames (:func:`run_call`,
   :func:`describe_error`).
@@ -36,7 +36,8 @@ import cloudpickle
 from accelnb.wire import buffers, channel
 from accelnb.wire.events import CallError, CallResult, RunCall
 from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_kernel
-from accelnb.worker import process_group, rank_debugger, report
+from accelnb.worker import rank_debugger, report
+from accelnb.worker.other_launchers import process_group
 
 # accelnb/ with a trailing separator: frames under it are ours, whichever subpackage.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

@@ -45,6 +45,7 @@ class RankOptions:
     """
 
     mixed_precision: str | None = None
+    max_restarts: int = 0  # torchrun's --max-restarts, which code reads from TORCHELASTIC_MAX_RESTARTS
     # The Accelerate config file's settings, as `accelerate launch` would set them (see
     # accelnb.kernel.planning.accelerate_config); empty without a config file.
     accelerate_env: Mapping[str, str] = field(default_factory=dict)
@@ -84,6 +85,12 @@ def rank_environment(options: RankOptions, place: RankPlace) -> dict[str, str]:
         "LOCAL_WORLD_SIZE": str(place.local_world_size),
         "NODE_RANK": str(place.node_rank),
         "GROUP_RANK": str(place.node_rank),
+        "GROUP_WORLD_SIZE": str(-(-place.world_size // place.local_world_size)),  # the nodes
+        # torchrun's one role ("default"): its ranks are the launch's.
+        "ROLE_NAME": "default",
+        "ROLE_RANK": str(place.rank),
+        "ROLE_WORLD_SIZE": str(place.world_size),
+        "TORCHELASTIC_MAX_RESTARTS": str(options.max_restarts),
         "MASTER_ADDR": place.master_addr,
         "MASTER_PORT": str(place.master_port),
         # Without these gloo and NCCL bind the address the hostname resolves to, which is not the
@@ -102,6 +109,10 @@ def rank_environment(options: RankOptions, place: RankPlace) -> dict[str, str]:
     if place.restart_count is not None:
         # What torchelastic sets (torchrun --max-restarts), so code written for it finds its attempt.
         env["TORCHELASTIC_RESTART_COUNT"] = str(place.restart_count)
+        # torch.distributed.is_torchelastic_launched() and Lightning's TorchElasticEnvironment look
+        # for it: the ranks were started for the code, which must not start them again. The
+        # rendezvous port names the launch, as torchrun's run id does.
+        env["TORCHELASTIC_RUN_ID"] = f"accelnb-{place.master_port}"
     if options.mixed_precision is not None:
         env["ACCELERATE_MIXED_PRECISION"] = options.mixed_precision
     if place.device == "cpu":

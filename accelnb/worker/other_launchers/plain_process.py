@@ -30,6 +30,8 @@ from typing import Any
 # jupyter_client's dependencies) cannot be imported twice, and stay.
 _NOTEBOOK_PACKAGES = ("ipykernel", "IPython", "ipywidgets", "comm")
 _NOTEBOOK_FLAVOURED_MODULES = ("tqdm.auto", "tqdm.autonotebook", "tqdm.notebook")
+# Lightning's package names, old and new.
+_LIGHTNING_PACKAGES = ("lightning", "lightning_fabric", "pytorch_lightning")
 # The packages whose objects are the notebook's and must not be used from a rank.
 _KERNEL_PACKAGES = ("ipykernel", "IPython", "jupyter_client", "zmq", "comm", "ipywidgets")
 # The kernel's objects the fork holds (its shell, and through it its sockets), kept referenced so
@@ -53,8 +55,20 @@ def shed_the_notebook() -> None:
 
 
 def _forget_cached_answers() -> None:
-    """Answers a library cached in the kernel: transformers' ``is_in_notebook()`` is an
-    ``lru_cache`` (``cache_clear`` is the cache's public API; tests/test_plain_ranks.py checks it)."""
+    """Answers a library cached in the kernel:
+
+    - transformers' ``is_in_notebook()`` is an ``lru_cache`` (``cache_clear`` is the cache's
+      public API);
+    - Lightning computes ``_IS_INTERACTIVE`` (``sys.ps1`` exists) once, at import, and its modules
+      copy it with ``from ... import _IS_INTERACTIVE``. Left True in a rank, ``Trainer(devices=N)``
+      picks its fork strategy and starts N processes again inside each rank.
+
+    tests/test_plain_ranks.py and tests/test_launches_inside.py check both against the versions
+    installed.
+    """
+    for name, module in list(sys.modules.items()):
+        if name.split(".", 1)[0] in _LIGHTNING_PACKAGES and getattr(module, "_IS_INTERACTIVE", None) is True:
+            module._IS_INTERACTIVE = False  # type: ignore[attr-defined]
     import_utils = sys.modules.get("transformers.utils.import_utils")
     cached = getattr(import_utils, "is_in_notebook", None)
     if cached is not None and hasattr(cached, "cache_clear"):

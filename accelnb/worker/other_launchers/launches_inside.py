@@ -1,0 +1,183 @@
+"""A launcher called inside a rank runs in place, or fails at once saying what to write instead.
+
+Code written for other launchers often starts its processes itself: the PyTorch tutorials end in
+``mp.spawn(demo_basic, args=(world_size,), nprocs=world_size)``, Accelerate's ``notebook_launcher``
+starts a torchelastic agent (``elastic_launch``), Lightning's ``ddp_notebook``/``ddp_spawn``
+strategies call ``torch.multiprocessing.start_processes``. Inside an accelnb rank each would
+start the processes again, N per rank: they rendezvous on the same fixed port (29500, 12355) and
+fail with "address already in use", or wait for peers that never come, or pickle a notebook
+function that does not exist in a fresh interpreter.
+
+So in a rank these entry points are accelnb's (:func:`install`):
+
+- ``torch.multiprocessing.spawn`` / ``start_processes`` with ``join=True``, and
+  ``torch.distributed.launcher.api.elastic_launch`` with a function: when the number of processes
+  asked for is this node's number of ranks, the rank *is* the process the launcher would have
+  started. It runs ``fn(local_rank, *args)`` (``entrypoint(*args)`` for ``elastic_launch``) in
+  place and returns what the launcher returns. The code's ``init_process_group`` then finds
+  accelnb's group (``process_group.py``).
+- Anything else (another number of processes, ``join=False``, which is how Lightning's fork and
+  spawn strategies call it and which needs processes that outlive the call, a script as
+  ``elastic_launch``'s entry point) raises :class:`LaunchInsideLaunchError` before any process
+  starts, with the numbers and what to write instead.
+
+``accelnb.launch`` and ``Session.start`` inside a rank are refused by the kernel side of accelnb
+when it settles the options (``accelnb.options``): the rank's environment says where it is.
+
+Only module attributes are replaced, in the rank, and the originals are kept (``__wrapped__``);
+``tests/test_launches_inside.py`` checks the names and parameters this relies on, against the
+torch that is installed.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.abc
+import importlib.util
+import inspect
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from accelnb.errors import LaunchInsideLaunchError
+
+_installed = False
+
+
+def install() -> None:
+    """Make this rank's ``mp.spawn``, ``mp.start_processes`` and ``elastic_launch`` accelnb's."""
+    global _installed
+    if _installed:
+        return
+    import torch.multiprocessing as mp
+
+    # The module, not torch.multiprocessing's attribute of the same name (the function spawn).
+    spawn_module: Any = importlib.import_module("torch.multiprocessing.spawn")
+    # Both names, in torch.multiprocessing and in the module that defines them: a function pickled
+    # in the notebook refers to them by their defining module.
+    mp.start_processes = spawn_module.start_processes = _in_place_start_processes(spawn_module.start_processes)  # type: ignore[assignment]
+    mp.spawn = spawn_module.spawn = _in_place_spawn(spawn_module.spawn)  # type: ignore[assignment]
+    _when_imported(_ELASTIC_API, _replace_elastic_launch)
+    _installed = True
+
+
+# torchelastic's launcher API: importing it costs a rank 25 ms, which most launches never need,
+# so it is replaced when the code imports it (at once if the fork already holds it).
+_ELASTIC_API = "torch.distributed.launcher.api"
+
+
+def _replace_elastic_launch(module: Any) -> None:
+    module.elastic_launch = _elastic_launch_in_place(module.elastic_launch)
+
+
+def _when_imported(name: str, then: Callable[[Any], None]) -> None:
+    """Run ``then(module)`` once module ``name`` is imported: now, or right after its import."""
+    if name in sys.modules:
+        then(sys.modules[name])
+        return
+
+    class PatchAfterImport(importlib.abc.MetaPathFinder):
+        def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+            if fullname != name:
+                return None
+            sys.meta_path.remove(self)  # once; and the real finders find the module below
+            spec = importlib.util.find_spec(fullname)
+            if spec is None or spec.loader is None:
+                return spec
+            execute = spec.loader.exec_module
+
+            def exec_then_patch(module: Any) -> None:
+                execute(module)
+                then(module)
+
+            spec.loader.exec_module = exec_then_patch  # type: ignore[method-assign]
+            return spec
+
+    sys.meta_path.insert(0, PatchAfterImport())
+
+
+def _where() -> tuple[int, int, int, int]:
+    """(rank, world size, local rank, local world size) of this rank, from its environment."""
+    env = os.environ
+    return (int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
+            int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
+
+
+def _refusal(launcher: str, asked: str, why: str) -> LaunchInsideLaunchError:
+    rank, world, _, local_world = _where()
+    return LaunchInsideLaunchError(
+        f"{launcher} was called inside rank {rank} of an accelnb launch of {world} ranks: a launch "
+        f"inside a launch ({asked}). {why} Either call the function directly, since this process "
+        f"already is one of the {world} ranks with torch.distributed set up, or ask for "
+        f"{local_world} processes and it runs in place on accelnb's ranks; or start the launch "
+        f"from the notebook (accelnb.spawn(fn, nprocs=N), %%distributed -n N, %torchrun).")
+
+
+def _in_place_start_processes(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def start_processes(*args: Any, **kwargs: Any) -> Any:
+        asked = signature.bind(*args, **kwargs)
+        asked.apply_defaults()
+        chosen = asked.arguments
+        return _run_in_place(f"torch.multiprocessing.{original.__name__}()", chosen["fn"], tuple(chosen["args"]),
+                             int(chosen["nprocs"]), bool(chosen["join"]))
+
+    return start_processes
+
+
+def _in_place_spawn(original: Callable[..., Any]) -> Callable[..., Any]:
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def spawn(*args: Any, **kwargs: Any) -> Any:
+        asked = signature.bind(*args, **kwargs)
+        asked.apply_defaults()
+        chosen = asked.arguments
+        return _run_in_place("torch.multiprocessing.spawn()", chosen["fn"], tuple(chosen["args"]),
+                             int(chosen["nprocs"]), bool(chosen["join"]))
+
+    return spawn
+
+
+def _run_in_place(launcher: str, fn: Callable[..., Any], args: tuple[Any, ...], nprocs: int, join: bool) -> None:
+    _, _, local_rank, local_world = _where()
+    if not join:
+        framework = (getattr(fn, "__module__", None) or "").split(".", 1)[0]
+        why = ("Lightning's strategy='ddp_notebook' (or 'ddp_spawn', 'ddp_fork') starts its own "
+               f"processes; use strategy='ddp' or leave strategy out, and Lightning runs on accelnb's "
+               f"{local_world} ranks." if framework in ("lightning", "pytorch_lightning", "lightning_fabric")
+               else "With join=False the processes must outlive the call, which cannot run in place.")
+        raise _refusal(launcher, f"nprocs={nprocs}, join=False", why)
+    if nprocs != local_world:
+        raise _refusal(launcher, f"nprocs={nprocs}", f"This machine runs {local_world} ranks of it.")
+    fn(local_rank, *args)  # what the launcher's process `local_rank` would have run; spawn returns None
+
+
+def _elastic_launch_in_place(original: type) -> type:
+    class elastic_launch:  # torch's name (a class called like a function)
+        """``elastic_launch(config, entrypoint)(*args)`` in a rank: the entry point, in place."""
+
+        __wrapped__ = original
+        __doc__ = original.__doc__
+
+        def __init__(self, config: Any, entrypoint: Any = None) -> None:
+            self._config = config
+            self._entrypoint = entrypoint
+
+        def __call__(self, *args: Any) -> dict[int, Any]:
+            rank, _, _, local_world = _where()
+            launcher = "torch.distributed elastic_launch() (Accelerate's notebook_launcher, torchrun's API)"
+            nprocs = int(self._config.nproc_per_node)
+            if not callable(self._entrypoint):
+                raise _refusal(launcher, f"entrypoint={self._entrypoint!r}",
+                               "A program as the entry point is a new process; run the script with %torchrun.")
+            if nprocs != local_world or int(self._config.max_nodes) > 1:
+                raise _refusal(launcher, f"nproc_per_node={nprocs}, max_nodes={self._config.max_nodes}",
+                               f"This machine runs {local_world} ranks of it.")
+            return {rank: self._entrypoint(*args)}  # elastic_launch returns {global rank: value}
+
+    return elastic_launch
