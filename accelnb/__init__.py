@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # what each public name is, for type checkers and editors; im
         RankFailed,
         RankFailure,
         RunInterrupted,
+        ScriptExited,
         UnpicklableError,
         WorkerStartError,
     )
@@ -41,6 +42,7 @@ if TYPE_CHECKING:  # what each public name is, for type checkers and editors; im
     from accelnb.kernel.run.launch_result import LaunchResult
     from accelnb.kernel.stacks.live import stacks
     from accelnb.launcher import last_result, launch, notebook_launcher, plan
+    from accelnb.other_launchers import spawn, torchrun
     from accelnb.session import Session
     from accelnb.worker.accelerate_tracker import AccelerateTracker
     from accelnb.worker.progress import progress
@@ -63,6 +65,7 @@ _DEFINED_IN: dict[str, str] = {
     "RankCrashed": "accelnb.errors",
     "RankFailed": "accelnb.errors",
     "RankFailure": "accelnb.errors",
+    "ScriptExited": "accelnb.errors",
     "RunInterrupted": "accelnb.errors",
     "UnpicklableError": "accelnb.errors",
     "WorkerStartError": "accelnb.errors",
@@ -85,6 +88,8 @@ _DEFINED_IN: dict[str, str] = {
     "last_result": "accelnb.launcher",
     "launch": "accelnb.launcher",
     "notebook_launcher": "accelnb.launcher",
+    "spawn": "accelnb.other_launchers",
+    "torchrun": "accelnb.other_launchers",
     "plan": "accelnb.launcher",
     "Session": "accelnb.session",
     "AccelerateTracker": "accelnb.worker.accelerate_tracker",
@@ -118,6 +123,7 @@ __all__ = [
     "RankFailure",
     "RankSpec",
     "RunInterrupted",
+    "ScriptExited",
     "Selection",
     "Session",
     "UnpicklableError",
@@ -134,8 +140,10 @@ __all__ = [
     "report",
     "restart_count",
     "set_selection",
+    "spawn",
     "stacks",
     "synthetic_inventory",
+    "torchrun",
 ]
 
 

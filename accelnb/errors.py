@@ -72,6 +72,19 @@ class LaunchInsideLaunchError(LaunchConfigError):
     and would start processes again; nothing was started. The message says what to write instead."""
 
 
+class ScriptExited(AccelnbError):
+    """A script run on the ranks (``%torchrun``, :func:`accelnb.torchrun`) ended with a non-zero
+    exit code (``sys.exit(code)``); the rank's traceback shows the line that exited."""
+
+    def __init__(self, script: str, code: object) -> None:
+        super().__init__(f"{script} exited with code {code}")
+        self.script = script
+        self.code = code
+
+    def __reduce__(self) -> tuple[type, tuple[str, object]]:
+        return type(self), (self.script, self.code)
+
+
 class GpuSelectionError(LaunchConfigError):
     """The GPU selection names GPUs that do not exist, repeat, or cannot be used."""
 

@@ -232,6 +232,12 @@ class LaunchOptions:
         "N × this many ranks.",
         "start", flag="--gpus-per-node", parse=int, metavar="N", check=_whole_number_at_least_one))
 
+    group_timeout: float | None = field(default=None, metadata=option(
+        "seconds a collective (all_reduce, barrier) of the group accelnb makes may wait for the "
+        "other ranks before it fails; default: torch's (30 min for gloo, 10 for NCCL). A timeout the "
+        "code gives its own init_process_group() wins.",
+        "start", flag="--group-timeout", parse=float, metavar="SECONDS", check=_positive_seconds))
+
     # ── call: each run ─────────────────────────────────────────────────────────────────────
     timeout: float | None = field(default=None, metadata=option(
         "seconds; on expiry every rank's Python stack is shown, then all are stopped.",
@@ -460,6 +466,7 @@ class _StartKeywordsExceptNumProcesses(TypedDict, total=False):
     cluster: ClusterKind
     nodes: int | None
     gpus_per_node: int | None
+    group_timeout: float | None
 
 
 class StartKeywords(_StartKeywordsExceptNumProcesses, total=False):

@@ -46,11 +46,15 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                         "accelnb.kernel.run.engine"),  # its OutputMode: the output= choices
     "accelnb.launcher": ("accelnb.options", "accelnb.errors", "accelnb.wire", "accelnb.kernel", "accelnb.cluster",
                          "accelnb.notebook.metrics_view"),  # the live chart, wired in lazily when a run reports
+    "accelnb.other_launchers": ("accelnb.launcher", "accelnb.options", "accelnb.errors", "accelnb.wire",
+                                "accelnb.kernel"),
     "accelnb.session": ("accelnb.launcher", "accelnb.options", "accelnb.errors", "accelnb.wire", "accelnb.kernel"),
     # No worker module: the cell contract %%distributed shares with the ranks is wire/cell_contract.
-    "accelnb.notebook": ("accelnb.notebook", "accelnb.launcher", "accelnb.session", "accelnb.options",
+    "accelnb.notebook": ("accelnb.notebook", "accelnb.launcher", "accelnb.other_launchers", "accelnb.session",
+                         "accelnb.options",
                          "accelnb.errors", "accelnb.wire", "accelnb.kernel"),
-    "accelnb": ("accelnb.errors", "accelnb.kernel", "accelnb.launcher", "accelnb.session", "accelnb.notebook",
+    "accelnb": ("accelnb.errors", "accelnb.kernel", "accelnb.launcher", "accelnb.other_launchers", "accelnb.session",
+                "accelnb.notebook",
                 "accelnb.worker"),  # worker: the API a rank calls (report, progress, restart_count, ...)
     "accelnb.demo": ("accelnb",),
 }
@@ -163,7 +167,8 @@ def test_imports_point_down(path: Path) -> None:
 
 def test_every_module_lives_in_a_folder_that_says_where_it_runs() -> None:
     top_level = sorted(p.stem for p in PACKAGE.glob("*.py"))
-    assert top_level == ["__init__", "demo", "errors", "launcher", "options", "session"], top_level
+    # The public entry points (launcher, other_launchers, session, demo) and what they share (options, errors).
+    assert top_level == ["__init__", "demo", "errors", "launcher", "options", "other_launchers", "session"], top_level
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     assert folders == ["cluster", "kernel", "notebook", "wire", "worker"]
 

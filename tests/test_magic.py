@@ -185,7 +185,7 @@ SAMPLES = {  # a flag's text, and the value LaunchOptions must get from it
     "timeout": ("2.5", 2.5), "output": ("all", "all"), "log_dir": ("runs/exp1", "runs/exp1"),
     "max_restarts": ("2", 2), "restart_delay": ("0.5", 0.5),
     "gpus_per_rank": ("2", 2), "config_file": ("fsdp.yaml", "fsdp.yaml"), "ranks": ("0,2", [0, 2]),
-    "cluster": ("ray", "ray"), "nodes": ("2", 2), "gpus_per_node": ("4", 4),
+    "cluster": ("ray", "ray"), "nodes": ("2", 2), "gpus_per_node": ("4", 4), "group_timeout": ("90", 90.0),
 }
 
 

@@ -20,7 +20,8 @@ from tests.conftest import worker_processes
 
 EXPECTED = {
     "AccelnbError": "exception", "GpuSelectionError": "exception", "LaunchConfigError": "exception",
-    "LaunchFailed": "exception", "LaunchInsideLaunchError": "exception", "LaunchTimeout": "exception",
+    "LaunchFailed": "exception", "LaunchInsideLaunchError": "exception", "ScriptExited": "exception",
+    "LaunchTimeout": "exception",
     "PortInUseError": "exception",
     "RankCrashed": "exception", "RankFailed": "exception", "UnpicklableError": "exception",
     "WorkerStartError": "exception", "HelperDied": "exception", "RunInterrupted": "interrupt",
@@ -30,6 +31,7 @@ EXPECTED = {
     "current_selection": "function", "last_result": "function", "launch": "function",
     "notebook_launcher": "function", "plan": "function", "prewarm": "function", "progress": "function",
     "read_inventory": "function", "report": "function", "restart_count": "function", "set_selection": "function",
+    "spawn": "function", "torchrun": "function",
     "synthetic_inventory": "function", "stacks": "function", "doctor": "function",
     "Check": "record", "DoctorReport": "class",
 }

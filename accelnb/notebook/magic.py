@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from accelnb.errors import LaunchConfigError, UnpicklableError
@@ -53,6 +53,7 @@ from accelnb.options import (
     Scope,
     described_fields,
 )
+from accelnb.other_launchers import torchrun
 from accelnb.session import Session
 from accelnb.wire.cell_analysis import assigned_names, used_names
 from accelnb.wire.cell_contract import DEFAULT_RETURN_LIMIT, RUN_CELL, CellOutcome, CellRequest
@@ -178,6 +179,20 @@ class DistributedMagics(Magics):
             raise UsageError(f"%distributed {command} takes no options, got {arguments.strip()!r}. "
                              "Options go to `%distributed start`/`restart`, or on a %%distributed cell.")
         return self._bare_command(command or "status")
+
+    @line_magic
+    def torchrun(self, line: str) -> None:
+        """Run a torchrun command line on accelnb's ranks: ``%torchrun --nproc-per-node 2 train.py
+        --epochs 3`` (``-m package.module`` for a module). Replacing ``!torchrun`` with ``%torchrun``
+        is the whole change: each rank runs the script as ``__main__`` with its arguments, the
+        notebook's working directory and torchrun's environment; rank 0's output streams into the
+        cell, Stop stops every rank and whatever they started, and a non-zero exit code is reported
+        with the rank and the line that exited. accelnb's flags (``--gpus 0,1``, ``--timeout``,
+        ``--output all``, ``--log-dir``, ``--max-restarts``, …) may stand among torchrun's; without
+        ``--nproc-per-node`` or ``--gpus`` the GPU picker's selection is used.
+        """
+        with _as_usage_error():
+            torchrun(line)
 
     # ── cells ───────────────────────────────────────────────────────────────────────────────
     def _run_cell(self, given: dict[str, Any], returns: CellReturns, source: str, header: str) -> Any:

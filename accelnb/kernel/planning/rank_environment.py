@@ -33,6 +33,9 @@ from accelnb.kernel.planning.ports import LOOPBACK
 # Each rank's planned device, "cuda:N" or "cpu", in its environment. Read by
 # accelnb.worker.cell_runner (which may not import this module; tests/test_planning.py pins the name).
 DEVICE_ENV = "ACCELNB_DEVICE"
+# The timeout of the group accelnb makes (group_timeout=), in seconds; unset: torch's default.
+# Read by accelnb.worker.other_launchers.process_group (tests/test_process_group.py pins the name).
+GROUP_TIMEOUT_ENV = "ACCELNB_GROUP_TIMEOUT_S"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -45,6 +48,7 @@ class RankOptions:
     """
 
     mixed_precision: str | None = None
+    group_timeout: float | None = None  # seconds; read by the rank from GROUP_TIMEOUT_ENV
     max_restarts: int = 0  # torchrun's --max-restarts, which code reads from TORCHELASTIC_MAX_RESTARTS
     # The Accelerate config file's settings, as `accelerate launch` would set them (see
     # accelnb.kernel.planning.accelerate_config); empty without a config file.
@@ -113,6 +117,8 @@ def rank_environment(options: RankOptions, place: RankPlace) -> dict[str, str]:
         # for it: the ranks were started for the code, which must not start them again. The
         # rendezvous port names the launch, as torchrun's run id does.
         env["TORCHELASTIC_RUN_ID"] = f"accelnb-{place.master_port}"
+    if options.group_timeout is not None:
+        env[GROUP_TIMEOUT_ENV] = repr(float(options.group_timeout))
     if options.mixed_precision is not None:
         env["ACCELERATE_MIXED_PRECISION"] = options.mixed_precision
     if place.device == "cpu":

@@ -42,12 +42,16 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 from accelnb.wire.spec import WorkerSpec
 
+# Set by the planner (accelnb.kernel.planning.rank_environment.GROUP_TIMEOUT_ENV) from group_timeout=.
+GROUP_TIMEOUT_ENV = "ACCELNB_GROUP_TIMEOUT_S"
 # The rendezvous: how long a rank waits for the store and for its peers to join.
 STORE_TIMEOUT_S = 300.0
 # Keys of the join barrier in the launch's TCPStore (torch's own keys carry a "default_pg/" prefix).
@@ -76,7 +80,6 @@ def join_default_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist:
     """Connect to the launch's store, join the default group, wait until every rank has, and
     route the code's own ``init_process_group`` calls here (:func:`install`)."""
     global _launched
-    from datetime import timedelta
 
     device_id = None
     if spec.device.startswith("cuda"):
@@ -129,7 +132,10 @@ def _make_accelnb_group(dist: Any) -> None:
     kwargs: dict[str, Any] = {}
     if _launched.device_id is not None:
         kwargs["device_id"] = _launched.device_id
-    _init_on_launch_store(dist, spec.backend, **kwargs)  # timeout: torch's default for the backend
+    timeout_s = os.environ.get(GROUP_TIMEOUT_ENV)
+    if timeout_s:  # group_timeout=; else torch's default for the backend
+        kwargs["timeout"] = timedelta(seconds=float(timeout_s))
+    _init_on_launch_store(dist, spec.backend, **kwargs)
     _launched.ours = True
 
 
