@@ -26,11 +26,12 @@ options, output, Stop and restarts are the launcher's own.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import shlex
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from importlib.machinery import PathFinder
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -218,10 +219,10 @@ def _ranks_asked(nproc_per_node: str | None, options: dict[str, Any]) -> dict[st
 
 def _check_target(command: TorchrunCommand) -> None:
     if command.as_module:
-        try:
-            found = importlib.util.find_spec(command.target) is not None
-        except (ImportError, ValueError):
-            found = False
+        # Where the ranks look (the working directory first, as python -m), for the top-level
+        # package only: finding a submodule would import its packages here, in the kernel.
+        top = command.target.split(".", 1)[0]
+        found = top in sys.modules or PathFinder.find_spec(top, [os.getcwd(), *sys.path]) is not None
         if not found:
             raise LaunchConfigError(f"%torchrun -m {command.target}: no module of that name can be imported "
                                     f"here (working directory {os.getcwd()}).")

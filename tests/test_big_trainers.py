@@ -88,9 +88,10 @@ def lightning_ddp() -> tuple[int, int, str, bool, int]:
 def test_lightning_ddp_joins_the_launchs_ranks_and_process_group() -> None:
     pytest.importorskip("lightning")
     values = launch(lightning_ddp, num_processes=2, quiet=True, timeout=120).values
-    # LOCAL_RANK in the environment: Lightning sees processes started for it (LightningEnvironment)
-    # and keeps the process group it finds instead of launching its own workers.
-    assert values == {0: (0, 2, "LightningEnvironment", True, 4), 1: (1, 2, "LightningEnvironment", True, 4)}
+    # torchrun's environment (TORCHELASTIC_RUN_ID, GROUP_RANK, ...): Lightning sees ranks torchrun
+    # started for it (TorchElasticEnvironment) and keeps the process group it finds instead of
+    # launching its own workers.
+    assert values == {0: (0, 2, "TorchElasticEnvironment", True, 4), 1: (1, 2, "TorchElasticEnvironment", True, 4)}
 
 
 # ── FSDP2 ────────────────────────────────────────────────────────────────────────────────────

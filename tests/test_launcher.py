@@ -404,3 +404,19 @@ def test_cuda_initialised_in_the_kernel_does_not_break_launches() -> None:
         return str(torch.zeros(1).cuda().device), torch.cuda.device_count()
 
     assert notebook_launcher(where, gpus="0", quiet=True) == ("cuda:0", 1)
+
+
+def environment_variable(name: str) -> str | None:
+    return os.environ.get(name)
+
+
+def test_the_ranks_see_the_notebooks_environment_as_it_is_at_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A cell sets os.environ["WANDB_MODE"] or NCCL_DEBUG, then launches: torchrun and mp.spawn pass
+    # the environment as it is then, so must accelnb, whose helper started before the cell ran.
+    launch(int, num_processes=2, quiet=True)  # the helper is up
+    monkeypatch.setenv("ACCELNB_TEST_SET_LATER", "after-the-helper")
+    assert launch(environment_variable, args=("ACCELNB_TEST_SET_LATER",), num_processes=2,
+                  quiet=True).values == {0: "after-the-helper", 1: "after-the-helper"}
+    monkeypatch.delenv("ACCELNB_TEST_SET_LATER")
+    assert launch(environment_variable, args=("ACCELNB_TEST_SET_LATER",), num_processes=2,
+                  quiet=True).values == {0: None, 1: None}

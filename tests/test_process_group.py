@@ -196,3 +196,26 @@ def test_torch_still_has_what_the_rank_replaces() -> None:
         assert name in parameters, f"torch's init_process_group has no {name!r} any more"
     assert callable(dist.PrefixStore) and callable(dist.TCPStore) and callable(dist.destroy_process_group)
     assert accelnb.launch is not None
+
+
+# ── Accelerate's timeout reaches accelnb's group ─────────────────────────────
+def accelerator_with_timeout_then_rank_1_waits_alone(seconds: float) -> None:
+    from accelerate import Accelerator
+    from accelerate.utils import InitProcessGroupKwargs
+
+    # Accelerate's documented way to set the group's timeout (it makes the group only where none exists).
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(timeout=timedelta(seconds=seconds))])
+    if accelerator.process_index == 1:
+        dist.barrier()
+
+
+def test_accelerates_timeout_is_the_groups() -> None:
+    # The HF Trainer hands its ddp_timeout to Accelerate the same way (PartialState(timeout=...)),
+    # on GPUs only: with use_cpu it passes none, under torchrun as here.
+    started = time.monotonic()
+    with pytest.raises(RankFailed) as failed:
+        launch(accelerator_with_timeout_then_rank_1_waits_alone, args=(2.0,), num_processes=2, quiet=True,
+               timeout=120)
+    took = time.monotonic() - started
+    assert failed.value.failures[0].rank == 1 and "Timed out" in str(failed.value)
+    assert took < 60, f"the barrier waited {took:.0f} s: the timeout of 2 s did not reach accelnb's group"

@@ -107,7 +107,8 @@ def start(request: ClusterRequest, *, persistent: bool, restart_count: int) -> R
             notebook_sink("stdout", cluster_table(plan, placed) + "\n")
         # Each actor holds one CPU of its node (CPUS_PER_RANK); rank 0's actor bound its own store
         # socket (reserve_port above), so none is handed down from the kernel.
-        group.begin(worker_specs(plan, persistent, restart_count, threads=int(CPUS_PER_RANK), store_on_rank0=False))
+        group.begin(worker_specs(plan, persistent, restart_count, threads=int(CPUS_PER_RANK), store_on_rank0=False,
+                                 on_this_machine=False))
         return group
     except BaseException as error:
         if group is not None:

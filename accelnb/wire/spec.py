@@ -27,3 +27,7 @@ class WorkerSpec:
     threads_per_rank: int = 1
     holds_store: bool = False  # receives the bound rendezvous socket (rank 0 of a single node)
     restart_count: int = 0  # which attempt of a launch with restarts (accelnb.restart_count())
+    # The kernel's environment when the launch started, which a rank on this machine takes as its
+    # own before ``env`` (as torchrun's ranks get the shell's): a variable a cell set or deleted
+    # after the helper started is seen by the ranks. None on a cluster's node, which keeps its own.
+    kernel_env: dict[str, str] | None = None

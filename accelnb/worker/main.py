@@ -111,6 +111,9 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
             commands: queue.Queue[Any]) -> tuple[threading.Event, threading.Event]:
     """Everything before the first call; returns (SIGTERM came, the flusher's stop)."""
     terminating = _flush_before_dying_of_sigterm(wake=lambda: commands.put(None))
+    if spec.kernel_env is not None:  # the notebook's variables as they are now, not as the helper found them
+        os.environ.clear()
+        os.environ.update(spec.kernel_env)
     os.environ.update(spec.env)
     chdir_quietly(spec.cwd)
     sys.path[:] = spec.sys_path

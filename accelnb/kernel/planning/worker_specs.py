@@ -23,11 +23,14 @@ from accelnb.wire.spec import WorkerSpec
 
 
 def worker_specs(the_plan: rank_plan.LaunchPlan, persistent: bool = False, restart_count: int = 0, *,
-                 threads: int | None = None, store_on_rank0: bool = True) -> list[WorkerSpec]:
+                 threads: int | None = None, store_on_rank0: bool = True, on_this_machine: bool = True,
+                 ) -> list[WorkerSpec]:
     """The per-rank specs to start ``the_plan``'s ranks from; ``restart_count``: which attempt of a
     launch with restarts they belong to. ``threads``: each rank's thread budget (default:
     :func:`threads_per_rank` of this machine). ``store_on_rank0``: rank 0 receives the rendezvous
-    socket the kernel bound (only where it runs on this machine)."""
+    socket the kernel bound (only where it runs on this machine). ``on_this_machine``: the ranks
+    take the kernel's environment as it is now (a cluster's ranks keep their node's)."""
+    kernel_env = dict(os.environ) if on_this_machine else None
     threads = threads if threads is not None else threads_per_rank(len(the_plan.ranks))
     return [WorkerSpec(
         rank=rank.rank, local_rank=rank.local_rank, world_size=rank.world_size,
@@ -40,6 +43,7 @@ def worker_specs(the_plan: rank_plan.LaunchPlan, persistent: bool = False, resta
         holds_store=store_on_rank0 and rank.rank == 0,
         threads_per_rank=threads,
         restart_count=restart_count,
+        kernel_env=kernel_env,
     ) for rank in the_plan.ranks]
 
 

@@ -49,6 +49,7 @@ from datetime import timedelta
 from typing import Any
 
 from accelnb.wire.spec import WorkerSpec
+from accelnb.worker.other_launchers.import_hooks import when_imported
 
 # Set by the planner (accelnb.kernel.planning.rank_environment.GROUP_TIMEOUT_ENV) from group_timeout=.
 GROUP_TIMEOUT_ENV = "ACCELNB_GROUP_TIMEOUT_S"
@@ -69,6 +70,7 @@ class _Launched:
     original_init: Callable[..., None]
     generation: int = 0  # groups made so far on this store: each gets its own key prefix
     ours: bool = False  # the default group is the one accelnb made (not the code's own)
+    timeout: timedelta | None = None  # accelnb's group's, where one was asked for; None: torch's default
     # Every default group made in this rank, kept alive until the rank exits (see _keep_alive).
     kept: list[Any] = field(default_factory=list)
 
@@ -124,19 +126,62 @@ def install(dist: Any) -> None:
     adopting = functools.wraps(_launched.original_init)(_init_process_group_in_a_launch)
     dist.init_process_group = adopting
     c10d.init_process_group = adopting  # type: ignore[assignment]
+    when_imported("accelerate.state", _honour_accelerates_timeout)
 
 
-def _make_accelnb_group(dist: Any) -> None:
+def _honour_accelerates_timeout(state_module: Any) -> None:
+    """Accelerate (and so the HF Trainer, whose ``ddp_timeout`` it passes) makes the group only
+    where none exists, so the ``timeout`` of ``InitProcessGroupKwargs`` would be lost on accelnb's
+    group. Its ``PartialState`` gets it first: :func:`adopt_timeout` remakes accelnb's group with
+    that timeout when it differs (every rank builds its state with the same arguments)."""
+    partial_state = state_module.PartialState
+    original = partial_state.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, cpu: bool = False, **kwargs: Any) -> None:
+        if kwargs.get("timeout") is not None:
+            adopt_timeout(kwargs["timeout"])
+        original(self, cpu, **kwargs)
+
+    partial_state.__init__ = __init__
+
+
+def adopt_timeout(timeout: timedelta) -> None:
+    """Give accelnb's default group ``timeout``, remaking it if it has another; a group the code
+    made itself is left as the code made it."""
+    import torch.distributed as dist
+
+    if _launched is None or not _launched.ours or not dist.is_initialized() or timeout == _group_timeout():
+        return
+    dist.destroy_process_group()
+    _make_accelnb_group(dist, timeout)
+
+
+def _group_timeout() -> timedelta | None:
+    """The timeout of accelnb's group: the one asked for, else torch's default for the backend
+    (``torch.distributed.constants``, public; None for NCCL in a torch built without it)."""
+    from torch.distributed import constants
+
+    assert _launched is not None
+    if _launched.timeout is not None:
+        return _launched.timeout
+    return constants.default_pg_nccl_timeout if _launched.spec.backend == "nccl" else constants.default_pg_timeout
+
+
+def _make_accelnb_group(dist: Any, timeout: timedelta | None = None) -> None:
     assert _launched is not None
     spec = _launched.spec
     kwargs: dict[str, Any] = {}
     if _launched.device_id is not None:
         kwargs["device_id"] = _launched.device_id
     timeout_s = os.environ.get(GROUP_TIMEOUT_ENV)
-    if timeout_s:  # group_timeout=; else torch's default for the backend
-        kwargs["timeout"] = timedelta(seconds=float(timeout_s))
+    if timeout is None and timeout_s:  # group_timeout=; else torch's default for the backend
+        timeout = timedelta(seconds=float(timeout_s))
+    if timeout is not None:
+        kwargs["timeout"] = timeout
     _init_on_launch_store(dist, spec.backend, **kwargs)
     _launched.ours = True
+    _launched.timeout = timeout
 
 
 def _init_on_launch_store(dist: Any, backend: Any, **requested: Any) -> None:
@@ -224,8 +269,10 @@ def _refuse_other_numbers(asked: dict[str, Any]) -> None:
 def _adoptable(dist: Any, backend: Any, requested: dict[str, Any]) -> bool:
     """Whether the group accelnb made already is what the code asks for."""
     assert _launched is not None
-    if set(requested) - {"device_id", "group_name"}:
-        return False  # its own timeout or options: make the group it describes
+    if "timeout" in requested and requested["timeout"] != _group_timeout():
+        return False  # its own timeout: make the group it describes
+    if set(requested) - {"device_id", "group_name", "timeout"}:
+        return False  # its own options: make the group it describes
     device_id = requested.get("device_id")
     if device_id is not None and _launched.device_id is None:
         return False  # NCCL bound to a device (eager init): ours was not
