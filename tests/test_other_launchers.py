@@ -216,6 +216,7 @@ def test_a_non_zero_exit_code_fails_the_run_with_the_rank_the_code_and_the_line(
     message = str(failed.value)
     assert message.startswith("Rank 1 failed") and "scripts/train.py exited with code 4" in message
     assert "sys.exit(args.code)" in message  # the line that exited, from the rank's traceback
+    assert "runpy" not in message  # as `python train.py` shows it: the script's frames first
 
 
 @pytest.mark.usefixtures("no_leftovers", "script_folder")

@@ -25,6 +25,7 @@ import bdb
 import io
 import linecache
 import os
+import runpy
 import sys
 import threading
 import time
@@ -43,6 +44,8 @@ from accelnb.worker.other_launchers import process_group
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 # cloudpickle's frames show only when accelnb's own (un)pickling fails: machinery too.
 _CLOUDPICKLE_ROOT = os.path.dirname(os.path.abspath(cloudpickle.__file__)) + os.sep
+# runpy's frames, above a script run as __main__ (%torchrun): `python train.py` shows none.
+_RUNPY_FILES = ("<frozen runpy>", os.path.abspath(runpy.__file__))
 FLUSH_INTERVAL_S = 0.05
 STREAM_BUFFER_BYTES = 1 << 16
 
@@ -161,8 +164,8 @@ def _drop_machinery_frames(shown: traceback.TracebackException, seen: set[int]) 
         return
     seen.add(id(shown))
     frames = list(shown.stack)
-    while frames and frames[0].filename.startswith((_PACKAGE_ROOT, _CLOUDPICKLE_ROOT)):
-        frames.pop(0)  # accelnb calling into cloudpickle, down to the user's first frame
+    while frames and frames[0].filename.startswith((_PACKAGE_ROOT, _CLOUDPICKLE_ROOT, *_RUNPY_FILES)):
+        frames.pop(0)  # accelnb calling into cloudpickle or runpy, down to the user's first frame
     shown.stack = traceback.StackSummary.from_list(
         [frame for frame in frames if not frame.filename.startswith(_PACKAGE_ROOT)])
     nested = [shown.__cause__, shown.__context__, *(getattr(shown, "exceptions", None) or [])]
