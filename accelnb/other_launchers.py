@@ -254,4 +254,8 @@ def torchrun(command: str | Sequence[str], **options: Unpack[LaunchKeywords]) ->
     _check_target(parsed)
     chosen = LaunchOptions().with_keywords({**parsed.options, **options}, accepted=LAUNCH_OPTIONS,
                                            caller="torchrun()")
-    return launch_with(RUN_SCRIPT, (parsed.target, list(parsed.arguments), parsed.as_module), None, chosen)
+    try:
+        return launch_with(RUN_SCRIPT, (parsed.target, list(parsed.arguments), parsed.as_module), None, chosen)
+    except LaunchConfigError as error:  # bad input, nothing started: say it in torchrun's words
+        error.args = (str(error).replace("num_processes=", "--nproc-per-node "),)
+        raise
