@@ -38,7 +38,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import MagicArgumentParser
 
-from accelnb.errors import LaunchConfigError, UnpicklableError
+from accelnb.errors import LaunchConfigError, LaunchFailed, UnpicklableError
 from accelnb.kernel.display.byte_sizes import describe_limit, human_bytes, parse_byte_size
 from accelnb.kernel.doctor.checks import doctor
 from accelnb.kernel.helper.payload import check_picklable
@@ -135,7 +135,7 @@ def _as_usage_error() -> Iterator[None]:
     An unpicklable notebook name stays what it is: its message names the variable and its type."""
     try:
         yield
-    except UnpicklableError:
+    except (UnpicklableError, LaunchFailed):  # a rank's failure stays the cell's error, whatever its type
         raise
     except LaunchConfigError as error:
         raise UsageError(magic_wording(str(error))) from None

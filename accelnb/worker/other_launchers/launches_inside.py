@@ -25,32 +25,37 @@ So in a rank these entry points are accelnb's (:func:`install`):
 when it settles the options (``accelnb.options``): the rank's environment says where it is.
 
 Only module attributes are replaced, in the rank, and the originals are kept (``__wrapped__``);
-``tests/test_launches_inside.py`` checks the names and parameters this relies on, against the
-torch that is installed.
+``tests/test_frameworks_inside.py`` checks the names and parameters this relies on, against the
+torch and Lightning that are installed, and runs Lightning, Fabric, Accelerate's
+``notebook_launcher`` and ``mp.spawn`` on accelnb's ranks from real kernels.
 """
 
 from __future__ import annotations
 
 import functools
 import importlib
-import importlib.abc
-import importlib.util
 import inspect
 import os
-import sys
 from collections.abc import Callable
 from typing import Any
 
 from accelnb.errors import LaunchInsideLaunchError
+from accelnb.worker.other_launchers.import_hooks import when_imported
 
 _installed = False
+# (rank, world size, local rank, local world size) of this rank, read once by install(), from the
+# environment accelnb gave the rank. Not read again when a launcher is called: the code calling it
+# may have rewritten the variables first (Accelerate's notebook_launcher sets WORLD_SIZE to the
+# number of processes it was asked for), and a refusal must name accelnb's numbers, not those.
+_place: tuple[int, int, int, int] | None = None
 
 
 def install() -> None:
     """Make this rank's ``mp.spawn``, ``mp.start_processes`` and ``elastic_launch`` accelnb's."""
-    global _installed
+    global _installed, _place
     if _installed:
         return
+    _place = _read_place()
     import torch.multiprocessing as mp
 
     # The module, not torch.multiprocessing's attribute of the same name (the function spawn).
@@ -59,7 +64,7 @@ def install() -> None:
     # in the notebook refers to them by their defining module.
     mp.start_processes = spawn_module.start_processes = _in_place_start_processes(spawn_module.start_processes)  # type: ignore[assignment]
     mp.spawn = spawn_module.spawn = _in_place_spawn(spawn_module.spawn)  # type: ignore[assignment]
-    _when_imported(_ELASTIC_API, _replace_elastic_launch)
+    when_imported(_ELASTIC_API, _replace_elastic_launch)
     _installed = True
 
 
@@ -72,47 +77,31 @@ def _replace_elastic_launch(module: Any) -> None:
     module.elastic_launch = _elastic_launch_in_place(module.elastic_launch)
 
 
-def _when_imported(name: str, then: Callable[[Any], None]) -> None:
-    """Run ``then(module)`` once module ``name`` is imported: now, or right after its import."""
-    if name in sys.modules:
-        then(sys.modules[name])
-        return
-
-    class PatchAfterImport(importlib.abc.MetaPathFinder):
-        def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-            if fullname != name:
-                return None
-            sys.meta_path.remove(self)  # once; and the real finders find the module below
-            spec = importlib.util.find_spec(fullname)
-            if spec is None or spec.loader is None:
-                return spec
-            execute = spec.loader.exec_module
-
-            def exec_then_patch(module: Any) -> None:
-                execute(module)
-                then(module)
-
-            spec.loader.exec_module = exec_then_patch  # type: ignore[method-assign]
-            return spec
-
-    sys.meta_path.insert(0, PatchAfterImport())
 
 
 def _where() -> tuple[int, int, int, int]:
-    """(rank, world size, local rank, local world size) of this rank, from its environment."""
+    """(rank, world size, local rank, local world size) of this rank, as accelnb placed it."""
+    return _place if _place is not None else _read_place()
+
+
+def _read_place() -> tuple[int, int, int, int]:
     env = os.environ
     return (int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"]),
             int(env.get("LOCAL_WORLD_SIZE", env["WORLD_SIZE"])))
 
 
-def _refusal(launcher: str, asked: str, why: str) -> LaunchInsideLaunchError:
+def _refusal(launcher: str, asked: str, why: str, instead: str | None = None) -> LaunchInsideLaunchError:
+    """The error for a launcher that would start processes again; ``instead``: what to write
+    (by default: call the function directly, ask for this machine's number, or launch from the notebook)."""
     rank, world, _, local_world = _where()
+    if instead is None:
+        instead = (f"Either call the function directly, since this process already is one of the {world} "
+                   f"ranks with torch.distributed set up, or ask for {local_world} processes and it runs in "
+                   f"place on accelnb's ranks; or start the launch from the notebook "
+                   f"(accelnb.spawn(fn, nprocs=N), %%distributed --procs N, %torchrun --nproc-per-node N).")
     return LaunchInsideLaunchError(
         f"{launcher} was called inside rank {rank} of an accelnb launch of {world} ranks: a launch "
-        f"inside a launch ({asked}). {why} Either call the function directly, since this process "
-        f"already is one of the {world} ranks with torch.distributed set up, or ask for "
-        f"{local_world} processes and it runs in place on accelnb's ranks; or start the launch "
-        f"from the notebook (accelnb.spawn(fn, nprocs=N), %%distributed -n N, %torchrun).")
+        f"inside a launch ({asked}). {why} {instead}")
 
 
 def _in_place_start_processes(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -147,11 +136,15 @@ def _run_in_place(launcher: str, fn: Callable[..., Any], args: tuple[Any, ...], 
     _, _, local_rank, local_world = _where()
     if not join:
         framework = (getattr(fn, "__module__", None) or "").split(".", 1)[0]
-        why = ("Lightning's strategy='ddp_notebook' (or 'ddp_spawn', 'ddp_fork') starts its own "
-               f"processes; use strategy='ddp' or leave strategy out, and Lightning runs on accelnb's "
-               f"{local_world} ranks." if framework in ("lightning", "pytorch_lightning", "lightning_fabric")
-               else "With join=False the processes must outlive the call, which cannot run in place.")
-        raise _refusal(launcher, f"nprocs={nprocs}, join=False", why)
+        if framework in ("lightning", "pytorch_lightning", "lightning_fabric"):
+            raise _refusal(launcher, f"nprocs={nprocs}, join=False",
+                           "Lightning's strategy='ddp_notebook' (or 'ddp_spawn', 'ddp_fork') starts its own processes.",
+                           f"Use strategy='ddp' or leave strategy out: Lightning then runs on accelnb's "
+                           f"{local_world} ranks.")
+        raise _refusal(launcher, f"nprocs={nprocs}, join=False",
+                       "With join=False the processes must outlive the call, which cannot run in place.",
+                       f"Call it with join=True and nprocs={local_world} (it then runs in place on accelnb's "
+                       f"ranks), or call the function directly.")
     if nprocs != local_world:
         raise _refusal(launcher, f"nprocs={nprocs}", f"This machine runs {local_world} ranks of it.")
     fn(local_rank, *args)  # what the launcher's process `local_rank` would have run; spawn returns None

@@ -63,8 +63,8 @@ def _forget_cached_answers() -> None:
       copy it with ``from ... import _IS_INTERACTIVE``. Left True in a rank, ``Trainer(devices=N)``
       picks its fork strategy and starts N processes again inside each rank.
 
-    tests/test_plain_ranks.py and tests/test_launches_inside.py check both against the versions
-    installed.
+    tests/test_plain_ranks.py checks the first, tests/test_frameworks_inside.py the second, against
+    the versions installed.
     """
     for name, module in list(sys.modules.items()):
         if name.split(".", 1)[0] in _LIGHTNING_PACKAGES and getattr(module, "_IS_INTERACTIVE", None) is True:
