@@ -43,6 +43,7 @@ from accelnb.kernel.planning import rank_plan
 from accelnb.kernel.planning.inventory import read_inventory
 from accelnb.kernel.planning.worker_specs import threads_per_rank
 from accelnb.kernel.run.attempts import run_attempts
+from accelnb.kernel.run.call_settings import CallSettings
 from accelnb.kernel.run.engine import AttemptSink, MetricRoute, MetricsView, last_result, start_workers
 from accelnb.kernel.run.launch_result import LaunchResult
 from accelnb.kernel.run.rank_group import RankGroup
@@ -148,9 +149,8 @@ def launch_with(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
 def _run_attempts(start: Callable[[int], RankGroup], payload: Packed, options: LaunchOptions,
                   route: MetricRoute) -> LaunchResult:
     try:
-        return run_attempts(
-            start, payload, collect=options.collect, output=options.output, timeout=options.timeout,
-            metrics=route, max_restarts=options.max_restarts, restart_delay=options.restart_delay)
+        return run_attempts(start, payload, options.view(CallSettings), metrics=route,
+                            max_restarts=options.max_restarts, restart_delay=options.restart_delay)
     except KeyboardInterrupt as interrupt:
         # The stop button: the engine's frames would fill the cell and explain nothing. The
         # exception itself (its type and message say what was stopped) is kept.

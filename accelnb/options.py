@@ -68,13 +68,12 @@ from accelnb.kernel.planning.ports import check_port
 from accelnb.kernel.planning.rank_environment import DEVICE_ENV, RankOptions
 from accelnb.kernel.planning.rank_plan import GpuSpec
 from accelnb.kernel.planning.selection import current_selection
-from accelnb.kernel.run.engine import OutputMode
+from accelnb.kernel.run.call_settings import DEFAULT_STALL_TIMEOUT_S, CollectMode, OutputMode
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
 Scope = Literal["start", "call", "launch", "session"]
-CollectMode = Literal["rank0", "all"]
 ClusterKind = Literal["local", "ray"]
 
 KNOWN_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl", "hccl")
@@ -124,6 +123,16 @@ _whole_number_at_least_zero = _whole_number_at_least(0)
 def _positive_seconds(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
         raise LaunchConfigError(f"{name} must be a positive number of seconds, got {value!r}.")
+
+
+def _positive_seconds_or_none(name: str, value: Any) -> None:
+    if value is not None:
+        _positive_seconds(name, value)
+
+
+def _seconds_or_off(text: str) -> float | None:
+    """``--stall-timeout 300`` or ``--stall-timeout none`` (off)."""
+    return None if text.strip().lower() in ("none", "off") else float(text)
 
 
 def _gpu_selection(name: str, value: Any) -> None:
@@ -254,6 +263,12 @@ class LaunchOptions:
         "each launch adds an event file). Needs pip install 'accelnb[tensorboard]'.",
         "call", flag="--log-dir", metavar="DIR", check=_directory))
 
+    stall_timeout: float | None = field(default=DEFAULT_STALL_TIMEOUT_S, metadata=option(
+        "seconds without progress on any rank (a step, a report(), a line of output) after which "
+        "the cell shows every rank's Python stack and what each waits in, once; the run goes on. "
+        "None turns it off.",
+        "call", flag="--stall-timeout", parse=_seconds_or_off, metavar="SECONDS", check=_positive_seconds_or_none))
+
     # ── session: a call of a running session only ──────────────────────────────────────────
     ranks: Sequence[int] | None = field(default=None, metadata=option(
         "run the call only on these ranks of the session (e.g. [1] or [0, 2]), to inspect or change "
@@ -287,6 +302,11 @@ class LaunchOptions:
             for name, why in _NOT_ON_A_CLUSTER.items():
                 if getattr(self, name) != _DEFAULTS[name]:
                     raise LaunchConfigError(f"cluster={self.cluster!r} does not take {name}=: {why}.")
+
+    def view(self, kind: type[View]) -> View:
+        """``kind`` (a dataclass) with each field set to the option of its name (see
+        :meth:`SettledOptions.view`)."""
+        return kind(**{each.name: getattr(self, each.name) for each in fields(kind)})
 
     def with_keywords(self, keywords: Mapping[str, Any], *, accepted: Collection[str],
                       caller: str) -> LaunchOptions:
@@ -482,6 +502,7 @@ class CallKeywords(TypedDict, total=False):
     output: OutputMode
     collect: CollectMode
     log_dir: str | os.PathLike[str] | None
+    stall_timeout: float | None
 
 
 class SessionCallKeywords(CallKeywords, total=False):

@@ -35,6 +35,7 @@ from accelnb.errors import LaunchConfigError
 from accelnb.kernel.helper.payload import pack_call
 from accelnb.kernel.planning import rank_plan
 from accelnb.kernel.planning.inventory import Inventory, read_inventory
+from accelnb.kernel.run.call_settings import CallSettings
 from accelnb.kernel.run.engine import run_on_group
 from accelnb.kernel.run.launch_result import LaunchResult
 from accelnb.kernel.run.rank_group import RankGroup
@@ -136,8 +137,8 @@ class Session:
         payload = pack_call(function, args, kwargs or {})
         try:
             with metric_route(call) as route:
-                return run_on_group(self._group, payload, collect=call.collect, timeout=call.timeout,
-                                    output=call.output, metrics=route, chosen_ranks=call.ranks)
+                return run_on_group(self._group, payload, call.view(CallSettings), metrics=route,
+                                    chosen_ranks=call.ranks)
         finally:
             if not self._group.usable:
                 self._group.close()

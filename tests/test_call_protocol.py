@@ -7,6 +7,7 @@ process or starting Ray: the fake ranks answer when pumped, as the test scripted
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from accelnb.errors import RankFailure
@@ -26,15 +27,22 @@ class FakeRanks:
     interrupted: list[int] = field(default_factory=list)
     stop_raises: bool = False
     prompt_seconds: float = 0.0
+    progress_until: float = 0.0  # monotonic time until which every pump counts as progress
+    progressed_at: float = 0.0
+    stalls_shown: list[float] = field(default_factory=list)
 
     def port(self) -> CallRanks:
         return CallRanks(
             persistent=self.persistent, interrupt_grace=0.2, size=lambda: 2, live_ranks=lambda: list(self.alive),
             usable=lambda: self.alive == [0, 1], helper_death=lambda: None, pump=self.pump,
             between_pumps=lambda answers: self.prompt_seconds, interrupt=self.interrupted.append, stop=self.stop,
-            stacks_at_timeout=lambda: {0: "stack 0", 1: "stack 1"})
+            stacks_at_timeout=lambda: {0: "stack 0", 1: "stack 1"}, progress_at=lambda: self.progressed_at,
+            show_stall=self.stalls_shown.append)
 
     def pump(self, timeout: float, answers: CallAnswers) -> None:
+        time.sleep(timeout)  # as a real pump waits on its channels
+        if time.monotonic() < self.progress_until:
+            self.progressed_at = time.monotonic()
         for rank, value in self.answers_on_pump.items():
             if answers.call_id is not None:
                 answers.values.setdefault(rank, value)
@@ -133,3 +141,26 @@ def test_a_failure_seen_between_calls_is_the_next_calls_root_cause() -> None:
     answers = protocol.begin(None)
     assert [f.rank for f in answers.failures] == [1] and protocol.between_calls.failures == []
     assert protocol.begin(None).call_id == answers.call_id + 1  # type: ignore[operator]
+
+
+def test_a_stall_is_shown_once_and_the_wait_goes_on() -> None:
+    ranks = FakeRanks()  # never answer, never progress
+    protocol = CallProtocol(ranks.port())
+    assert protocol.wait(protocol.begin(None), 1.0, None, stall_timeout=0.2) == "timed_out"
+    assert len(ranks.stalls_shown) == 1 and 0.2 <= ranks.stalls_shown[0] < 0.5
+
+
+def test_progress_then_a_stall_shows_it_after_the_progress_stopped() -> None:
+    ranks = FakeRanks(progress_until=time.monotonic() + 0.5)
+    protocol = CallProtocol(ranks.port())
+    started = time.monotonic()
+    assert protocol.wait(protocol.begin(None), 1.2, None, stall_timeout=0.3) == "timed_out"
+    assert len(ranks.stalls_shown) == 1  # not during the first 0.5 s of progress; once after it
+    assert ranks.stalls_shown[0] < time.monotonic() - started - 0.3
+
+
+def test_without_stall_timeout_nothing_is_shown() -> None:
+    ranks = FakeRanks()
+    protocol = CallProtocol(ranks.port())
+    assert protocol.wait(protocol.begin(None), 0.3, None) == "timed_out"
+    assert ranks.stalls_shown == []

@@ -29,6 +29,7 @@ from accelnb.kernel.helper.payload import pack_call
 from accelnb.kernel.planning import rank_plan
 from accelnb.kernel.planning.inventory import Inventory
 from accelnb.kernel.run import run_state
+from accelnb.kernel.run.call_settings import CallSettings
 from accelnb.kernel.run.engine import run_on_group, start_workers
 from accelnb.kernel.run.failure_report import build_exception, exit_failure
 from accelnb.wire.buffers import Packed
@@ -130,7 +131,7 @@ def run_like_launch(payload: Packed, *, on_step: Callable[[str], None] | None = 
     """What ``accelnb.launch`` does with a packed call, with the engine's step hook injected."""
     group = start_workers(cpu_plan(), None, persistent=persistent, quiet=True, on_step=on_step)
     try:
-        return run_on_group(group, payload, collect="all", timeout=timeout, output="none")
+        return run_on_group(group, payload, CallSettings(timeout=timeout, output="none"))
     finally:
         group.close()
 
@@ -308,7 +309,7 @@ def test_a_session_interrupted_while_its_call_is_sent_is_closed_not_desynchronis
         group = start_workers(cpu_plan(), None, persistent=True, quiet=True, on_step=interrupt)
         try:
             with pytest.raises(RunInterrupted, match="while sending it to the workers") as raised:
-                run_on_group(group, payload, collect="all", timeout=None, output="none")
+                run_on_group(group, payload, CallSettings(output="none"))
             assert "the session was closed" in str(raised.value)
             assert not group.usable  # what Session.alive reports
             assert worker_processes() == []
@@ -324,10 +325,9 @@ def test_a_session_interrupted_before_its_call_went_out_goes_on() -> None:
     try:
         with pytest.raises(RunInterrupted, match="before it reached the workers; the session and its "
                                                  "variables are kept"):
-            run_on_group(group, pack_call(ok, (), {}), collect="all", timeout=None, output="none")
+            run_on_group(group, pack_call(ok, (), {}), CallSettings(output="none"))
         assert group.usable
-        assert run_on_group(group, pack_call(ok, (), {}), collect="all", timeout=None,
-                            output="none").values == {0: 2.0, 1: 2.0}
+        assert run_on_group(group, pack_call(ok, (), {}), CallSettings(output="none")).values == {0: 2.0, 1: 2.0}
     finally:
         group.shutdown()
 

@@ -43,7 +43,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                         "accelnb.errors"),
     "accelnb.errors": (),
     "accelnb.options": ("accelnb.errors", "accelnb.wire", "accelnb.kernel.planning",
-                        "accelnb.kernel.run.engine"),  # its OutputMode: the output= choices
+                        "accelnb.kernel.run.call_settings"),  # OutputMode, CollectMode: the choices
     "accelnb.launcher": ("accelnb.options", "accelnb.errors", "accelnb.wire", "accelnb.kernel", "accelnb.cluster",
                          "accelnb.notebook.metrics_view"),  # the live chart, wired in lazily when a run reports
     "accelnb.other_launchers": ("accelnb.launcher", "accelnb.options", "accelnb.errors", "accelnb.wire",

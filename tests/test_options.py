@@ -24,6 +24,7 @@ from accelnb.cluster import ClusterRequest
 from accelnb.kernel.planning.rank_environment import RankOptions
 from accelnb.kernel.planning.selection import clear_selection, set_selection
 from accelnb.kernel.planning.worker_specs import threads_per_rank
+from accelnb.kernel.run.call_settings import CallSettings
 from accelnb.options import (
     ALL_OPTIONS,
     CALL_OPTIONS,
@@ -202,7 +203,7 @@ def test_without_omp_num_threads_the_cores_are_shared(monkeypatch: pytest.Monkey
 SETTLED_PROPERTIES = {name for name, value in vars(SettledOptions).items() if isinstance(value, property)}
 
 
-@pytest.mark.parametrize("view", [RankOptions, ClusterRequest])
+@pytest.mark.parametrize("view", [RankOptions, ClusterRequest, CallSettings])
 def test_a_view_of_the_settled_options_names_options_with_their_defaults(view: type) -> None:
     """A view's field is filled by its name: an option (with the option's default), or a value
     settling derives. A misspelt or drifted field fails here, not in a launch."""

@@ -36,7 +36,7 @@ import time
 from typing import Any
 
 from accelnb.cluster.rank_layout import PlacedActor
-from accelnb.kernel.display.output import OutputRouter
+from accelnb.kernel.display.output import OutputRouter, notebook_sink
 from accelnb.kernel.planning.rank_plan import LaunchPlan
 from accelnb.kernel.run import run_state
 from accelnb.kernel.run.call_outcome import CallOutcome, Ending
@@ -44,6 +44,7 @@ from accelnb.kernel.run.failure_report import actor_lost_failure
 from accelnb.kernel.run.group.call_answers import CallAnswers, MetricSink, record_event
 from accelnb.kernel.run.group.call_protocol import CallProtocol, CallRanks, StopWhy
 from accelnb.kernel.run.group.rank_phases import RankPhases
+from accelnb.kernel.run.group.stall_report import stall_report
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import OutputChunk
 from accelnb.wire.spec import WorkerSpec
@@ -86,7 +87,8 @@ class RayRankGroup:
             live_ranks=lambda: [rank for rank, alive in enumerate(self._alive) if alive],
             usable=lambda: self.usable, helper_death=lambda: None, pump=self._pump,
             between_pumps=_run_wait_hooks, interrupt=lambda rank: self._actors[rank].interrupt.remote(),
-            stop=self._stop_for, stacks_at_timeout=lambda: self.collect_stacks(STACKS_WAIT_S)))
+            stop=self._stop_for, stacks_at_timeout=lambda: self.collect_stacks(STACKS_WAIT_S),
+            progress_at=lambda: self.output.progress_at, show_stall=self._show_stall))
 
     @property
     def usable(self) -> bool:
@@ -101,7 +103,7 @@ class RayRankGroup:
 
     # ── a call ──────────────────────────────────────────────────────────────────────────────
     def call(self, payload: Packed, value_ranks: set[int], timeout: float | None,
-             ranks: frozenset[int] | None = None) -> CallOutcome:
+             ranks: frozenset[int] | None = None, *, stall_timeout: float | None = None) -> CallOutcome:
         """Run one call on every rank (or only on ``ranks``, as the local engine does); waiting
         and ending it is the call protocol's (``kernel/run/group/call_protocol.py``)."""
         with self._driving:
@@ -113,11 +115,16 @@ class RayRankGroup:
                     if self._alive[rank] and answers.runs_on(rank):
                         self._watched[actor.run.remote(answers.call_id, payload_ref, frozenset(value_ranks))] = \
                             (rank, "run")
-                waited = self._calls.wait(answers, timeout, self.run.stop_requested)
+                waited = self._calls.wait(answers, timeout, self.run.stop_requested, stall_timeout)
                 ending = "interrupted" if waited == "stop_requested" else waited  # stop_source stays "interrupt"
             except KeyboardInterrupt:
                 ending = "interrupted"
             return self._calls.conclude(answers.outcome(ending, timeout), answers)
+
+    def _show_stall(self, quiet_for: float) -> None:
+        stacks = self.collect_stacks(STACKS_WAIT_S)
+        self.output.tick(force=True)  # what the ranks printed before comes first
+        notebook_sink("stderr", stall_report(quiet_for, stacks))
 
     # ── the wait loop ───────────────────────────────────────────────────────────────────────
     def _poll(self, rank: int) -> None:

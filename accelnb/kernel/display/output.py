@@ -118,12 +118,18 @@ class OutputRouter:
         self._held_stderr: dict[int, list[str]] = {}
         # Ranks that asked for input during the current call: shown live, prefixed (see show_rank)
         self.prompting_ranks: set[int] = set()
+        # When a rank last made progress that the kernel can see: a line on stdout here, a step or
+        # a report() through mark_progress. stderr does not count: a stack dump or a repeating
+        # warning of a stuck rank is no progress. Read by the stall watch (stall_timeout=).
+        self.progress_at = clock()
 
     def feed(self, rank: int, stream: Stream, data: bytes) -> None:
         state = self._streams.setdefault((rank, stream), _StreamState())
         text = state.decoder.decode(data)
         if not text:
             return
+        if stream == "stdout":
+            self.mark_progress()
         self.retained.setdefault(rank, RetainedOutput()).append(text)
         held = self._held_stderr.get(rank) if stream == "stderr" else None
         if held is not None:
@@ -131,6 +137,10 @@ class OutputRouter:
         elif self._is_live(rank):
             state.pending.append(text)
             state.pending_bytes += len(data)
+
+    def mark_progress(self) -> None:
+        """A rank made progress (a step, a report, a line of output)."""
+        self.progress_at = self._clock()
 
     def show_rank(self, rank: int) -> None:
         """Show ``rank``'s output live from now on, prefixed unless it is rank 0 (a rank at a prompt

@@ -6,8 +6,8 @@ restarts, a fresh group is started, up to N times. The group never restarts itse
 does, so each attempt is a whole launch with the same guarantees (nothing outlives it) and a
 record (:class:`~accelnb.kernel.run.launch_result.Attempt`).
 
-    >>> result = run_attempts(start, payload, collect="all", output="rank0", timeout=None,
-    ...                       metrics=MetricRoute(), max_restarts=2, restart_delay=0.0)  # doctest: +SKIP
+    >>> result = run_attempts(start, payload, CallSettings(), metrics=MetricRoute(), max_restarts=2,
+    ...                       restart_delay=0.0)                                         # doctest: +SKIP
     >>> [a.ending for a in result.attempts]                                              # doctest: +SKIP
     ['failed', 'succeeded']
 
@@ -33,12 +33,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Literal
 
 from accelnb.errors import LaunchFailed, LaunchTimeout, RunInterrupted
 from accelnb.kernel.display.output import notebook_sink
 from accelnb.kernel.run import engine
-from accelnb.kernel.run.engine import MetricRoute, OutputMode, run_on_group
+from accelnb.kernel.run.call_settings import CallSettings
+from accelnb.kernel.run.engine import MetricRoute, run_on_group
 from accelnb.kernel.run.launch_result import Attempt, LaunchResult
 from accelnb.kernel.run.rank_group import RankGroup
 from accelnb.wire.buffers import Packed
@@ -52,11 +52,11 @@ def print_notice(text: str) -> None:
     notebook_sink("stdout", text + "\n")
 
 
-def run_attempts(start: GroupStarter, payload: Packed, *, collect: Literal["rank0", "all"], output: OutputMode,
-                 timeout: float | None, metrics: MetricRoute, max_restarts: int, restart_delay: float,
-                 notice: Notice = print_notice) -> LaunchResult:
+def run_attempts(start: GroupStarter, payload: Packed, settings: CallSettings, *, metrics: MetricRoute,
+                 max_restarts: int, restart_delay: float, notice: Notice = print_notice) -> LaunchResult:
     """Run ``payload`` on a group from ``start``; on a rank's failure start a fresh one, up to
     ``max_restarts`` times. Every group is closed before this returns or raises."""
+    timeout = settings.timeout
     began = time.monotonic()
     deadline = None if timeout is None else began + timeout
     attempts: list[Attempt] = []
@@ -68,8 +68,7 @@ def run_attempts(start: GroupStarter, payload: Packed, *, collect: Literal["rank
         result: LaunchResult | None = None
         try:  # from before the group exists: an interrupt right after start returns is covered
             group = start(index)
-            result = run_on_group(group, payload, collect=collect, timeout=timeout, output=output,
-                                  metrics=metrics, time_left=_time_left(deadline))
+            result = run_on_group(group, payload, settings, metrics=metrics, time_left=_time_left(deadline))
         except (LaunchFailed, KeyboardInterrupt) as error:
             attempts.append(Attempt.ended_by(index, started, error))
             _remember_attempts(before, attempts, began)

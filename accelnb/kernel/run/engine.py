@@ -5,8 +5,7 @@ drive workers through these functions. Displays come in from outside: the caller
 metric view to draw on, so nothing here imports the notebook UI.
 
     >>> group = start_workers(plan, master_port=None, persistent=False, quiet=True)   # doctest: +SKIP
-    >>> result = run_on_group(group, pack_call(fn, (), {}), collect="all", timeout=None,
-    ...                       output="rank0")                                         # doctest: +SKIP
+    >>> result = run_on_group(group, pack_call(fn, (), {}), CallSettings(timeout=60.0))  # doctest: +SKIP
 
 A run's ``report()`` batches go through one :class:`MetricRoute` (history, live chart, the
 caller's sinks such as a TensorBoard log). The caller makes it, so a launch with restarts
@@ -17,7 +16,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
 from accelnb.errors import LaunchFailed
 from accelnb.kernel.display.metrics_history import MetricHistory
@@ -26,6 +25,7 @@ from accelnb.kernel.helper.client import HelperSource, StepHook, shared_helper
 from accelnb.kernel.planning import rank_plan
 from accelnb.kernel.planning.ports import bind_rendezvous_socket
 from accelnb.kernel.planning.worker_specs import describe_start, worker_specs
+from accelnb.kernel.run.call_settings import CallSettings
 from accelnb.kernel.run.failure_report import exception_for, interrupted_outside_call, start_interrupted
 from accelnb.kernel.run.launch_result import Attempt, LaunchResult
 from accelnb.kernel.run.rank_group import RankGroup
@@ -33,8 +33,6 @@ from accelnb.kernel.run.supervisor import WorkerGroup
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import MetricBatch
 from accelnb.wire.result_pickling import loads_in_kernel
-
-OutputMode = Literal["rank0", "all", "none"]
 
 
 class MetricsView(Protocol):
@@ -107,8 +105,7 @@ def start_workers(the_plan: rank_plan.LaunchPlan, master_port: int | None, *, pe
         raise
 
 
-def run_on_group(group: RankGroup, payload: Packed, *, collect: Literal["rank0", "all"],
-                 timeout: float | None, output: OutputMode, metrics: MetricRoute | None = None,
+def run_on_group(group: RankGroup, payload: Packed, settings: CallSettings, *, metrics: MetricRoute | None = None,
                  time_left: float | None = None, chosen_ranks: Sequence[int] | None = None) -> LaunchResult:
     """Run one packed call on every worker of ``group`` (or on ``chosen_ranks`` only, a session's
     chosen ranks) and gather what came back.
@@ -122,6 +119,7 @@ def run_on_group(group: RankGroup, payload: Packed, *, collect: Literal["rank0",
     Raises what :func:`~accelnb.kernel.run.failure_report.exception_for` says the outcome calls for
     (``RankFailed``, ``RankCrashed``, ``LaunchTimeout``, ``HelperDied``, ``RunInterrupted``).
     """
+    collect, timeout, output = settings.collect, settings.timeout, settings.output
     chosen = list(chosen_ranks) if chosen_ranks is not None else None
     ranks = [r.rank for r in group.plan.ranks]
     if chosen is None:
@@ -149,7 +147,7 @@ def run_on_group(group: RankGroup, payload: Packed, *, collect: Literal["rank0",
     try:
         outcome = group.call(payload, {first} if collect == "rank0" else set(chosen or ranks),
                              timeout if time_left is None else time_left,
-                             None if chosen is None else frozenset(chosen))
+                             None if chosen is None else frozenset(chosen), stall_timeout=settings.stall_timeout)
         outcome.timeout = timeout  # the message names what the user set, which covers every attempt
         error = exception_for(outcome, show_output_of=set(group.output.live_ranks), persistent=group.persistent)
         if error is None and not group.persistent:

@@ -51,7 +51,7 @@ import time
 from typing import Any
 
 from accelnb.errors import RankFailure
-from accelnb.kernel.display.output import OutputRouter
+from accelnb.kernel.display.output import OutputRouter, notebook_sink
 from accelnb.kernel.helper.client import StepHook, WorkerExit, WorkerHelper
 from accelnb.kernel.planning.rank_plan import LaunchPlan
 from accelnb.kernel.run import run_state
@@ -65,6 +65,7 @@ from accelnb.kernel.run.group.prompt_answers import PromptAnswers
 from accelnb.kernel.run.group.rank_inboxes import RankInboxes
 from accelnb.kernel.run.group.rank_phases import RankPhases
 from accelnb.kernel.run.group.rank_processes import RankProcess, RankProcesses
+from accelnb.kernel.run.group.stall_report import stall_report
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import InputReply, InputRequest, Joined
 from accelnb.wire.spec import WorkerSpec
@@ -108,7 +109,8 @@ class WorkerGroup:
             live_ranks=self._processes.live_ranks, usable=lambda: self.usable,
             helper_death=lambda: self._helper_death, pump=self._pump, between_pumps=self._between_pumps,
             interrupt=lambda rank: self._processes.signal(rank, signal.SIGINT), stop=self._stop,
-            stacks_at_timeout=self._stacks_at_timeout))
+            stacks_at_timeout=self._stacks_at_timeout, progress_at=lambda: self.output.progress_at,
+            show_stall=self._show_stall))
         self._prompts = PromptAnswers(output, alive=self._processes.is_alive, reply=self._send_reply)
         self._stack_requests = LiveStackRequests(output, self._processes, self._driving, closed=lambda: self.closed,
                                                  pump=lambda timeout: self._pump(timeout, self._calls.between_calls))
@@ -164,7 +166,7 @@ class WorkerGroup:
 
     # ── running a call ──────────────────────────────────────────────────────────────────────
     def call(self, payload: Packed, value_ranks: set[int], timeout: float | None,
-             ranks: frozenset[int] | None = None) -> CallOutcome:
+             ranks: frozenset[int] | None = None, *, stall_timeout: float | None = None) -> CallOutcome:
         """Run one packed call on every rank (or only on ``ranks``: the others stay idle, their
         state untouched) and report how it ended.
 
@@ -174,10 +176,10 @@ class WorkerGroup:
         answered, even with an exception; otherwise every worker has been stopped.
         """
         with self._driving:
-            return self._call(payload, value_ranks, timeout, ranks)
+            return self._call(payload, value_ranks, timeout, ranks, stall_timeout)
 
     def _call(self, payload: Packed, value_ranks: set[int], timeout: float | None,
-              ranks: frozenset[int] | None) -> CallOutcome:
+              ranks: frozenset[int] | None, stall_timeout: float | None) -> CallOutcome:
         answers = self._calls.begin(ranks)
         self._inboxes.phase = "unsent"
         self.output.prompting_ranks.clear()
@@ -189,7 +191,8 @@ class WorkerGroup:
             if self._helper_death is None:
                 self._send_call(answers, payload, value_ranks)
             self._inboxes.phase = "running"
-            waited = self._calls.wait(answers, timeout, self.run.stop_requested if self.run is not None else None)
+            waited = self._calls.wait(answers, timeout, self.run.stop_requested if self.run is not None else None,
+                                      stall_timeout)
             if waited == "stop_requested":
                 ending, source = "interrupted", "stop_request"
             else:
@@ -298,6 +301,11 @@ class WorkerGroup:
         process = self._processes.get(failure.rank)
         return failure.kind == "exception" or (
             failure.exit_code is not None and (process is None or not process.ended_by_us(failure.exit_code)))
+
+    def _show_stall(self, quiet_for: float) -> None:
+        stacks = self._stacks_at_timeout()
+        self.output.tick(force=True)  # what the ranks printed before comes first
+        notebook_sink("stderr", stall_report(quiet_for, stacks))
 
     def _stacks_at_timeout(self) -> dict[int, str]:
         scratch = CallAnswers(None)

@@ -76,13 +76,16 @@ def record_event(answers: CallAnswers, rank: int, pid: int, event: Any, phases: 
     if isinstance(event, Joined):
         phases.set(rank, "running")
     elif isinstance(event, CallResult) and event.call_id == answers.call_id:
+        output.mark_progress()
         answers.values[rank] = event.value
         phases.set(rank, "running" if persistent else "done")
     elif isinstance(event, CallError) and (answers.call_id is None or event.call_id in (None, answers.call_id)):
         answers.failures.append(exception_failure(rank, pid, event, output.tail(rank)))
         phases.set(rank, "failed", event.type_name)
-    elif isinstance(event, MetricBatch) and metric_sink is not None:
-        metric_sink(event)
+    elif isinstance(event, MetricBatch):  # a report() or a step (ProgressBatch)
+        output.mark_progress()
+        if metric_sink is not None:
+            metric_sink(event)
     else:
         return False
     return True

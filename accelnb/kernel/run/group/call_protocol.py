@@ -62,6 +62,8 @@ class CallRanks:
     interrupt: Callable[[int], None]  # interrupt the running call on one rank
     stop: Callable[[StopWhy, CallAnswers], list[int]]  # stop every live rank; the ranks it stopped
     stacks_at_timeout: Callable[[], dict[int, str]]  # every rank's Python stack, before stopping it
+    progress_at: Callable[[], float]  # when a rank last made progress (monotonic): a step, a report, a line
+    show_stall: Callable[[float], None]  # show every rank's stack in the cell, nothing stopped: s without progress
 
 
 class CallProtocol:
@@ -82,11 +84,17 @@ class CallProtocol:
         self.between_calls.failures.clear()
         return answers
 
-    def wait(self, answers: CallAnswers, timeout: float | None,
-             stop_requested: threading.Event | None) -> WaitEnding:
+    def wait(self, answers: CallAnswers, timeout: float | None, stop_requested: threading.Event | None,
+             stall_timeout: float | None = None) -> WaitEnding:
         """Pump until the call is decided: every rank answered, one failed, the deadline passed,
-        a Stop was requested, or the helper died. A ``KeyboardInterrupt`` propagates."""
-        deadline = None if timeout is None else time.monotonic() + timeout
+        a Stop was requested, or the helper died. A ``KeyboardInterrupt`` propagates.
+
+        ``stall_timeout``: once no rank made progress for that long, every rank's stack is shown
+        (once per stall: progress again, and a later stall is shown too); the wait goes on.
+        """
+        started = time.monotonic()
+        deadline = None if timeout is None else started + timeout
+        stall_shown = False
         while True:
             self._ranks.pump(WAIT_SLICE_S, answers)
             if self._ranks.helper_death() is not None:
@@ -100,7 +108,16 @@ class CallProtocol:
                 return "stop_requested"
             if deadline is not None and time.monotonic() > deadline:
                 return "timed_out"
+            if stall_timeout is not None:
+                quiet_for = time.monotonic() - max(started, self._ranks.progress_at())
+                if quiet_for < stall_timeout:
+                    stall_shown = False
+                elif not stall_shown:
+                    stall_shown = True
+                    self._ranks.show_stall(quiet_for)
             at_prompt = self._ranks.between_pumps(answers)
+            if at_prompt:
+                started = time.monotonic()  # time at a prompt is the user's: no stall
             if deadline is not None:
                 deadline += at_prompt  # time at a prompt is the user's, not the run's
 
