@@ -117,6 +117,19 @@ class ProgressBatch(MetricBatch):
 
 
 @dataclass(frozen=True)
+class StepWindow:
+    """A rank's training steps since its last window, and where their time went
+    (``worker/step_timing.py``): sums in seconds; the split only over steps with a DDP forward."""
+
+    rank: int
+    steps: int
+    step_s: float
+    split_steps: int  # steps whose time is split into data and forward below
+    data_s: float  # end of the previous step to the DDP forward
+    forward_s: float
+
+
+@dataclass(frozen=True)
 class InputRequest:
     """A rank waits for a line of input: ``input()``, ``sys.stdin.readline()``, or its debugger.
 

@@ -38,7 +38,7 @@ from typing import Any
 from accelnb.wire import channel
 from accelnb.wire.events import InputReply, Joined, RunCall, Shutdown
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import rank_debugger, rank_input, report, restarts
+from accelnb.worker import rank_debugger, rank_input, report, restarts, step_timing
 from accelnb.worker.other_launchers import launches_inside, plain_process, process_group
 from accelnb.worker.rank_body import (
     chdir_quietly,
@@ -136,6 +136,7 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     compile_in_process()
     process_group.join_default_group(spec, store_fd, torch, dist)
     launches_inside.install()  # mp.spawn & co. run in place, or refuse
+    step_timing.install()  # steps and where their time goes, for the straggler watch
     return terminating, flusher
 
 

@@ -42,7 +42,7 @@ from accelnb.wire import channel
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import CallError, CallResult, Joined, OutputChunk, RunCall
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import report, restarts
+from accelnb.worker import report, restarts, step_timing
 from accelnb.worker.other_launchers import launches_inside, process_group
 from accelnb.worker.rank_body import (
     chdir_quietly,
@@ -159,6 +159,7 @@ class RankActor:
         store_fd = self._store_socket.fileno() if self._store_socket is not None else None
         process_group.join_default_group(spec, store_fd, torch, dist)
         launches_inside.install()  # mp.spawn & co. run in place, or refuse
+        step_timing.install()  # steps and where their time goes, for the straggler watch
 
     def _capture_output(self, rank: int) -> None:
         """Point fds 1 and 2 at pipes a thread reads: C and C++ output (gloo, NCCL) comes too,

@@ -28,6 +28,7 @@ from typing import Any, Protocol
 
 from accelnb.wire.channel import MessageWriter
 from accelnb.wire.events import MetricBatch, ProgressBatch, ProgressState
+from accelnb.worker import step_timing
 
 Record = tuple[int | None, float, dict[str, float]]
 
@@ -105,6 +106,9 @@ def flush() -> None:
     # everything went, would send its result and exit with the batch unsent (a failed attempt's
     # metrics came back empty, once in a full test run).
     with _flush_lock:
+        steps = step_timing.take_window(_rank)
+        if steps is not None:
+            _writer.send(steps)
         bars = _changed_bars() if _bars else []
         if not _pending and not bars:
             return

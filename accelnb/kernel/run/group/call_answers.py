@@ -7,7 +7,9 @@ socket, a Ray actor's events poll). :func:`record_event` handles the events ever
 - ``Joined``: the rank is in the process group (phase ``running``);
 - ``CallResult`` of this call: its value (phase ``done``, or ``running`` for a session's rank);
 - ``CallError`` of this call (or of the set-up, ``call_id`` None): a failure record;
-- ``MetricBatch``: to the group's metric sink.
+- ``MetricBatch``: to the group's metric sink;
+- ``StepWindow``: to the call's straggler watch, which names a rank holding the others back, in
+  the cell, once (``kernel/run/group/straggler_watch.py``).
 
     >>> answers = CallAnswers(call_id=3, ranks=None)                                      # doctest: +SKIP
     >>> record_event(answers, rank, pid, event, phases, output, sink, persistent=False)   # doctest: +SKIP
@@ -24,12 +26,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accelnb.errors import RankFailure
-from accelnb.kernel.display.output import OutputRouter
+from accelnb.kernel.display.output import OutputRouter, notebook_sink
 from accelnb.kernel.run.call_outcome import CallOutcome, CallPhase, Ending, StopSource
 from accelnb.kernel.run.failure_report import exception_failure
 from accelnb.kernel.run.group.rank_phases import RankPhases
+from accelnb.kernel.run.group.straggler_watch import StragglerWatch
 from accelnb.wire.buffers import Packed
-from accelnb.wire.events import CallError, CallResult, Joined, MetricBatch
+from accelnb.wire.events import CallError, CallResult, Joined, MetricBatch, StepWindow
 
 MetricSink = Callable[[MetricBatch], None]
 
@@ -43,6 +46,7 @@ class CallAnswers:
     ranks: frozenset[int] | None = None
     values: dict[int, Packed | None] = field(default_factory=dict)
     failures: list[RankFailure] = field(default_factory=list)
+    stragglers: StragglerWatch = field(default_factory=lambda: StragglerWatch(world_size=2))
 
     def has_failed(self, rank: int) -> bool:
         return any(f.rank == rank for f in self.failures)
@@ -82,6 +86,13 @@ def record_event(answers: CallAnswers, rank: int, pid: int, event: Any, phases: 
     elif isinstance(event, CallError) and (answers.call_id is None or event.call_id in (None, answers.call_id)):
         answers.failures.append(exception_failure(rank, pid, event, output.tail(rank)))
         phases.set(rank, "failed", event.type_name)
+    elif isinstance(event, StepWindow):
+        output.mark_progress()
+        answers.stragglers.add(event)
+        straggler = answers.stragglers.verdict()
+        if straggler is not None:
+            output.tick(force=True)  # what the ranks printed before comes first
+            notebook_sink("stderr", straggler.describe() + "\n")
     elif isinstance(event, MetricBatch):  # a report() or a step (ProgressBatch)
         output.mark_progress()
         if metric_sink is not None:

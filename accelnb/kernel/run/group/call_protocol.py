@@ -37,6 +37,7 @@ from typing import Literal
 
 from accelnb.kernel.run.call_outcome import CallOutcome, HelperExit
 from accelnb.kernel.run.group.call_answers import CallAnswers
+from accelnb.kernel.run.group.straggler_watch import StragglerWatch
 
 ANSWER_WAIT_S = 1.0  # sessions: how long the other ranks get to answer after a failure
 WAIT_SLICE_S = 0.05  # the wait loop wakes this often (a Stop request, a deadline, display hooks)
@@ -79,7 +80,8 @@ class CallProtocol:
     def begin(self, ranks: frozenset[int] | None) -> CallAnswers:
         """The answers of a new call on ``ranks`` (None: every rank)."""
         self._call_ids += 1
-        answers = CallAnswers(self._call_ids, ranks)
+        answers = CallAnswers(self._call_ids, ranks,
+                              stragglers=StragglerWatch(len(ranks) if ranks is not None else self._ranks.size()))
         answers.failures.extend(self.between_calls.failures)
         self.between_calls.failures.clear()
         return answers

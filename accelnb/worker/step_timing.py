@@ -1,0 +1,92 @@
+"""In a rank: where each training step's time goes, measured on unchanged code.
+
+DDP hides a slow rank: its all-reduce makes every rank wait for the last one, so every rank's
+step takes as long as the slowest's, and step times all look alike. What differs is what each
+rank does *before* it reaches the collective. A step is counted at every optimizer step (torch's
+public global hook, ``register_optimizer_step_post_hook``: plain PyTorch, Accelerate, the HF
+Trainer and Lightning all call ``optimizer.step()``), and the time since the previous one is
+split at the DDP forward (``DistributedDataParallel.forward``, timed by a wrapper on the class):
+
+- *data*: from the end of the last step to the start of the forward: fetching the batch;
+- *forward*: the forward pass;
+- the rest (backward, where DDP's all-reduce waits, and the optimizer).
+
+The report flush (``worker/report.py``, every 50 ms) sends what the steps since the last flush
+added up to, as one :class:`~accelnb.wire.events.StepWindow`; the kernel compares ranks
+(``kernel/run/group/straggler_watch.py``). A step costs two clock reads and a few additions
+(``benchmarks/`` measures it on the DDP loop). Code without an optimizer step (inference) counts
+no steps; code without DDP gets step times but no split.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import time
+from typing import Any
+
+from accelnb.wire.events import StepWindow
+
+_lock = threading.Lock()
+_last_step_end: float | None = None
+_forward_start: float | None = None
+_forward_end: float | None = None
+# Since the last flush: steps, and the sums of their durations, data and forward times.
+_steps = 0
+_step_s = 0.0
+_data_s = 0.0
+_forward_s = 0.0
+_split_steps = 0  # how many of those steps had a DDP forward to split at
+_installed = False
+
+
+def install() -> None:
+    """Count steps and time DDP's forward in this rank (once per process)."""
+    global _installed
+    if _installed:
+        return
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.optim.optimizer import register_optimizer_step_post_hook
+
+    register_optimizer_step_post_hook(_after_optimizer_step)
+    original_forward = DistributedDataParallel.forward
+
+    @functools.wraps(original_forward)
+    def timed_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
+        global _forward_start, _forward_end
+        started = time.perf_counter()
+        if _forward_start is None:  # the first forward of the step (gradient accumulation: several)
+            _forward_start = started
+        try:
+            return original_forward(self, *inputs, **kwargs)
+        finally:
+            _forward_end = time.perf_counter()
+
+    DistributedDataParallel.forward = timed_forward  # type: ignore[method-assign]
+    _installed = True
+
+
+def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+    global _last_step_end, _forward_start, _forward_end, _steps, _step_s, _data_s, _forward_s, _split_steps
+    now = time.perf_counter()
+    with _lock:
+        if _last_step_end is not None:  # the first step has no start to measure from
+            _steps += 1
+            _step_s += now - _last_step_end
+            if _forward_start is not None and _forward_end is not None and _forward_start >= _last_step_end:
+                _split_steps += 1
+                _data_s += _forward_start - _last_step_end
+                _forward_s += _forward_end - _forward_start
+        _last_step_end = now
+        _forward_start = _forward_end = None
+
+
+def take_window(rank: int) -> StepWindow | None:
+    """What the steps since the last call added up to, or None when there was no step."""
+    global _steps, _step_s, _data_s, _forward_s, _split_steps
+    with _lock:
+        if _steps == 0:
+            return None
+        window = StepWindow(rank, _steps, _step_s, _split_steps, _data_s, _forward_s)
+        _steps, _step_s, _data_s, _forward_s, _split_steps = 0, 0.0, 0.0, 0.0, 0
+    return window
