@@ -29,6 +29,7 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 	$(PY) benchmarks/bench_first_launch.py --write
 	$(PY) benchmarks/bench_data.py --write
+	$(PY) benchmarks/bench_torchrun.py --write  # %torchrun vs !torchrun in real kernels: first output, whole cell, Stop
 	$(PY) -m pip install -q "ray[train]>=2.40"  # benchmark-only peer of cluster="ray": Ray Train's TorchTrainer
 	$(PY) benchmarks/bench_ray.py  # needs root for network namespaces; says why when it skips
 
