@@ -135,7 +135,7 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     torch.set_num_threads(max(1, spec.threads_per_rank))
     compile_in_process()
     process_group.join_default_group(spec, store_fd, torch, dist)
-    launches_inside.install()  # mp.spawn & co. run in place, or refuse
+    launches_inside.install(spec)  # mp.spawn & co. run in place, or refuse
     step_timing.install()  # steps and where their time goes, for the straggler watch
     return terminating, flusher
 

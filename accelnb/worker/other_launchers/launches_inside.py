@@ -40,22 +40,24 @@ from collections.abc import Callable
 from typing import Any
 
 from accelnb.errors import LaunchInsideLaunchError
+from accelnb.wire.spec import WorkerSpec
 from accelnb.worker.other_launchers.import_hooks import when_imported
 
 _installed = False
-# (rank, world size, local rank, local world size) of this rank, read once by install(), from the
-# environment accelnb gave the rank. Not read again when a launcher is called: the code calling it
+# (rank, world size, local rank, local world size) of this rank, taken once by install() from the
+# spec accelnb gave the rank. Not read from the environment when a launcher is called: the code calling it
 # may have rewritten the variables first (Accelerate's notebook_launcher sets WORLD_SIZE to the
 # number of processes it was asked for), and a refusal must name accelnb's numbers, not those.
 _place: tuple[int, int, int, int] | None = None
 
 
-def install() -> None:
+def install(spec: WorkerSpec) -> None:
     """Make this rank's ``mp.spawn``, ``mp.start_processes`` and ``elastic_launch`` accelnb's."""
     global _installed, _place
     if _installed:
         return
-    _place = _read_place()
+    local_world = int(spec.env.get("LOCAL_WORLD_SIZE", spec.world_size))
+    _place = (spec.rank, spec.world_size, spec.local_rank, local_world)
     import torch.multiprocessing as mp
 
     # The module, not torch.multiprocessing's attribute of the same name (the function spawn).
