@@ -316,6 +316,29 @@ def test_percent_torchrun_is_bang_torchrun_with_one_character_changed(kernel: Ke
     assert "runs the ranks on this machine" in reply["evalue"]
 
 
+REPORTS_SCRIPT = """
+import torch.distributed as dist
+import accelnb
+
+dist.init_process_group("gloo")
+for step in range(3):
+    accelnb.report(step=step, loss=1.0 / (step + 1))
+dist.destroy_process_group()
+"""
+
+
+def test_percent_torchrun_writes_the_scripts_reports_to_log_dir(kernel: Kernel) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    folder = Path(kernel_cwd(kernel))
+    (folder / "reports.py").write_text(REPORTS_SCRIPT)
+    msg_id = kernel.execute("%torchrun --nproc-per-node 2 --log-dir runs/script reports.py")
+    assert kernel.finish(msg_id, timeout=120)["content"]["status"] == "ok", kernel.stream(msg_id)
+    events = EventAccumulator(str(folder / "runs" / "script"))
+    events.Reload()
+    assert [(e.step, round(e.value, 3)) for e in events.Scalars("loss")] == [(0, 1.0), (1, 0.5), (2, 0.333)]
+
+
 def _processes_left(pids: list[int], bound_s: float) -> list[int]:
     """The pids still alive once ``bound_s`` is up (or at once, when none is)."""
     deadline = time.monotonic() + bound_s

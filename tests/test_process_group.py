@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import socket
 import time
 from datetime import timedelta
 
@@ -99,6 +100,40 @@ def torchrun_style_main(total: int) -> tuple[int, int, float]:
 def test_a_torchrun_scripts_init_and_destroy_run_unchanged() -> None:
     result = launch(torchrun_style_main, args=(10,), num_processes=2, quiet=True, collect="all", timeout=120)
     assert result.values == {0: (0, 2, 21.0), 1: (1, 2, 21.0)}
+
+
+@pytest.fixture
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def joins_by_tcp_init_method(port: int) -> tuple[int, int, float]:
+    # The init method older examples use: an explicit tcp:// address, rank and world size.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    value = torch.tensor([float(rank + 1)])
+    dist.all_reduce(value)
+    dist.destroy_process_group()
+    return rank, world, float(value.item())
+
+
+def joins_with_its_own_store(port: int) -> tuple[int, int, float]:
+    # The init method for code that manages its own rendezvous: a store handed in.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=rank == 0, wait_for_workers=False)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
+    value = torch.tensor([float(rank + 1)])
+    dist.all_reduce(value)
+    dist.destroy_process_group()
+    return rank, world, float(value.item())
+
+
+@pytest.mark.parametrize("joins", [joins_by_tcp_init_method, joins_with_its_own_store])
+def test_the_codes_own_init_method_gives_a_group_over_the_launched_ranks(joins: object, free_port: int) -> None:
+    result = launch(joins, args=(free_port,), num_processes=2, quiet=True, collect="all", timeout=120)
+    assert result.values == {0: (0, 2, 3.0), 1: (1, 2, 3.0)}
 
 
 # ── what the code asks for is honoured ────────────────────────────────────────────────────────

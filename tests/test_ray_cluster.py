@@ -209,6 +209,26 @@ print("spread", sorted(spread.values()))
     notebook.assert_nothing_left(table_pids(cell.stdout))
 
 
+def test_the_codes_own_init_process_group_runs_unchanged_across_nodes(notebook: Notebook) -> None:
+    # Written as pytorch/examples' torchrun script writes it: everything from the environment,
+    # destroy at the end. On the cluster the group must span both nodes, not each node alone.
+    cell = notebook.checked("""
+def torchrun_style():
+    import torch, torch.distributed as dist
+    from torch.distributed import init_process_group, destroy_process_group
+    init_process_group(backend="gloo")
+    total = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(total)
+    world = dist.get_world_size()
+    destroy_process_group()
+    return world, total.item()
+
+print("own group", sorted(launch(torchrun_style, num_processes=2, cluster="ray", nodes=2).values.items()))
+""")
+    assert "own group [(0, (2, 3.0)), (1, (2, 3.0))]" in cell.stdout, cell.stdout
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
 def test_a_failure_on_the_second_node_shows_its_traceback_and_ends_every_actor(notebook: Notebook) -> None:
     cell = notebook.run("""
 def fail_on_node_2():
