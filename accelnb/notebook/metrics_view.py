@@ -37,11 +37,14 @@ from dataclasses import dataclass
 from html import escape
 from typing import Any, Protocol, TextIO
 
+from accelnb.kernel.display.rank_activity import RankActivity
 from accelnb.kernel.run import run_state
+from accelnb.notebook import rank_table
 from accelnb.notebook.svg_chart import PALETTE, Line, data_uri, format_value, line_chart
 from accelnb.wire.events import MetricBatch, ProgressBatch, ProgressState
 
 MIN_REDRAW_INTERVAL_S = 0.25
+RANK_TABLE_INTERVAL_S = 1.0  # the per-rank table alone (steps, GPU samples) redraws at most this often
 RENDER_BUDGET = 0.05  # at most this fraction of the kernel's time goes to drawing
 POINTS_PER_CHART = 150
 MAX_CHARTS = 12
@@ -189,6 +192,23 @@ class LiveMetricsView:
         self._unhook: Callable[[], None] | None = None
         self._closed = False
         self._broken = False
+        self._activity: RankActivity | None = None
+        self._activity_due = False  # the ranks' figures changed since the last draw
+
+    def follow(self, activity: RankActivity) -> None:
+        """Show ``activity``'s per-rank table above the charts once any rank counts a step."""
+        self._activity = activity
+
+    def activity_changed(self) -> None:
+        """A rank's steps changed (a step window arrived): redraw within a second."""
+        if self._closed or self._broken or self._activity is None or not self._activity.counting:
+            return
+        # Sampled whether or not anything draws: the launch's result keeps the GPU samples.
+        self._activity.sample()
+        self._activity_due = True
+        if self._unhook is None:
+            self._unhook = run_state.add_wait_hook(self._on_wait)
+        self._on_wait()
 
     # ── feeding ─────────────────────────────────────────────────────────────────────────────
     def add(self, batch: MetricBatch) -> None:
@@ -229,7 +249,9 @@ class LiveMetricsView:
 
     def _on_wait(self) -> None:
         """Draw if something changed and the last draw is old enough (also the wait hook)."""
-        if self._dirty and self._clock() - self._last_draw >= self._interval:
+        since = self._clock() - self._last_draw
+        ranks_due = self._activity_due and since >= max(self._interval, RANK_TABLE_INTERVAL_S)
+        if (self._dirty and since >= self._interval) or ranks_due:
             self._draw(final=False)
 
     def close(self) -> None:
@@ -240,13 +262,19 @@ class LiveMetricsView:
         if self._unhook is not None:
             self._unhook()
             self._unhook = None
-        if (self._series or self._bars) and not self._broken:
+        if (self._series or self._bars or self._shows_ranks()) and not self._broken:
             self._draw(final=True)
+
+    def _shows_ranks(self) -> bool:
+        return self._activity is not None and self._activity.counting
 
     # ── drawing ─────────────────────────────────────────────────────────────────────────────
     def _draw(self, final: bool) -> None:
         started = self._clock()
         try:
+            if self._shows_ranks():
+                assert self._activity is not None
+                self._activity.sample(force=final)  # NVML and /proc, at most once a second
             if self._surface is None:
                 self._surface = default_surface()
             self._surface.draw({"text/html": self.render_html(final), "text/plain": self.render_text(final)},
@@ -260,7 +288,7 @@ class LiveMetricsView:
                          "on, and its metric history still has everything.", exc_info=True)
             return
         self.draws += 1
-        self._dirty = False
+        self._dirty = self._activity_due = False
         self._last_draw = self._clock()
         # Expensive drawings (many metrics, many ranks) are drawn less often.
         self._interval = max(self._min_interval, (self._last_draw - started) / RENDER_BUDGET)
@@ -268,6 +296,9 @@ class LiveMetricsView:
     def render_html(self, final: bool) -> str:
         parts = ['<div class="accelnb-metrics" style="font-family: sans-serif; font-size: 12px; '
                  'line-height: 1.4; margin: 4px 0">']
+        if self._shows_ranks():
+            assert self._activity is not None
+            parts.append(rank_table.render_html(self._activity.rows(), final))
         if self._bars:
             parts.append('<div class="accelnb-progress" style="margin-bottom: 6px">')
             parts.extend(self._bar_html(bar, final) for _, bar in sorted(self._bars.items()))
@@ -289,6 +320,9 @@ class LiveMetricsView:
 
     def render_text(self, final: bool) -> str:
         lines = []
+        if self._shows_ranks():
+            assert self._activity is not None
+            lines.append(rank_table.render_text(self._activity.rows(), final))
         if self._series:
             lines.append(f"accelnb metrics ({self._ranks_label()}, {_count(self.reports, 'report')}"
                          f"{'' if final else ', live'}):")

@@ -127,6 +127,9 @@ class StepWindow:
     split_steps: int  # steps whose time is split into data and forward below
     data_s: float  # end of the previous step to the DDP forward
     forward_s: float
+    # Steps counted without a duration (a rank's first: nothing marks where it began), in none of
+    # the sums above; ``steps + untimed_steps`` is how many optimizer steps the rank took.
+    untimed_steps: int = 0
 
 
 @dataclass(frozen=True)

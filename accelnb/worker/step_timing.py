@@ -37,6 +37,7 @@ _step_s = 0.0
 _data_s = 0.0
 _forward_s = 0.0
 _split_steps = 0  # how many of those steps had a DDP forward to split at
+_untimed_steps = 0  # the first step: counted, but nothing marks where it began
 _installed = False
 
 
@@ -68,9 +69,12 @@ def install() -> None:
 
 def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
     global _last_step_end, _forward_start, _forward_end, _steps, _step_s, _data_s, _forward_s, _split_steps
+    global _untimed_steps
     now = time.perf_counter()
     with _lock:
-        if _last_step_end is not None:  # the first step has no start to measure from
+        if _last_step_end is None:  # the first step has no start to measure from
+            _untimed_steps += 1
+        else:
             _steps += 1
             _step_s += now - _last_step_end
             if _forward_start is not None and _forward_end is not None and _forward_start >= _last_step_end:
@@ -83,10 +87,10 @@ def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 def take_window(rank: int) -> StepWindow | None:
     """What the steps since the last call added up to, or None when there was no step."""
-    global _steps, _step_s, _data_s, _forward_s, _split_steps
+    global _steps, _step_s, _data_s, _forward_s, _split_steps, _untimed_steps
     with _lock:
-        if _steps == 0:
+        if _steps == 0 and _untimed_steps == 0:
             return None
-        window = StepWindow(rank, _steps, _step_s, _split_steps, _data_s, _forward_s)
-        _steps, _step_s, _data_s, _forward_s, _split_steps = 0, 0.0, 0.0, 0.0, 0
+        window = StepWindow(rank, _steps, _step_s, _split_steps, _data_s, _forward_s, _untimed_steps)
+        _steps, _step_s, _data_s, _forward_s, _split_steps, _untimed_steps = 0, 0.0, 0.0, 0.0, 0, 0
     return window

@@ -50,6 +50,7 @@ class GpuInfo:
     memory_used: int  # bytes
     utilization: int | None = None  # percent
     processes: tuple[GpuProcess, ...] = ()
+    power_w: float | None = None  # board power draw, watts; None where the driver does not say
     visible: bool = True  # usable by this kernel under its CUDA_VISIBLE_DEVICES
 
 
@@ -109,6 +110,7 @@ def synthetic_inventory(count: int, name: str = "Synthetic GPU (no hardware)") -
             memory_total=80 * 2**30,
             memory_used=(i * 3 % 7) * 2**30,
             utilization=(i * 13) % 100,
+            power_w=70.0 + (i * 37) % 230,
         )
         for i in range(count)
     )
@@ -178,6 +180,10 @@ def _read_one(pynvml: object, index: int) -> GpuInfo:
         utilization: int | None = nv.nvmlDeviceGetUtilizationRates(handle).gpu  # type: ignore[attr-defined]
     except Exception:  # not supported on some GPUs (MIG, vGPU)
         utilization = None
+    try:
+        power_w: float | None = nv.nvmlDeviceGetPowerUsage(handle) / 1000.0  # type: ignore[attr-defined]
+    except Exception:  # not supported on some boards and on MIG instances
+        power_w = None
     processes: list[GpuProcess] = []
     for getter in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
         try:
@@ -198,4 +204,5 @@ def _read_one(pynvml: object, index: int) -> GpuInfo:
         memory_used=int(memory.used),
         utilization=utilization,
         processes=tuple(processes),
+        power_w=power_w,
     )

@@ -21,24 +21,30 @@ from typing import Any, Protocol
 from accelnb.errors import LaunchFailed
 from accelnb.kernel.display.metrics_history import MetricHistory
 from accelnb.kernel.display.output import OutputRouter, notebook_sink
+from accelnb.kernel.display.rank_activity import RankActivity
 from accelnb.kernel.helper.client import HelperSource, StepHook, shared_helper
 from accelnb.kernel.planning import rank_plan
 from accelnb.kernel.planning.ports import bind_rendezvous_socket
 from accelnb.kernel.planning.worker_specs import describe_start, worker_specs
+from accelnb.kernel.run import run_state
 from accelnb.kernel.run.call_settings import CallSettings
 from accelnb.kernel.run.failure_report import exception_for, interrupted_outside_call, start_interrupted
 from accelnb.kernel.run.launch_result import Attempt, LaunchResult
 from accelnb.kernel.run.rank_group import RankGroup
 from accelnb.kernel.run.supervisor import WorkerGroup
 from accelnb.wire.buffers import Packed
-from accelnb.wire.events import MetricBatch
+from accelnb.wire.events import MetricBatch, StepWindow
 from accelnb.wire.result_pickling import loads_in_kernel
 
 
 class MetricsView(Protocol):
-    """A live display of a run's metrics (the notebook's chart, or nothing)."""
+    """A live display of a run's metrics and its ranks' progress (the notebook's view, or nothing)."""
 
     def add(self, batch: MetricBatch) -> None: ...
+
+    def follow(self, activity: RankActivity) -> None: ...
+
+    def activity_changed(self) -> None: ...
 
     def close(self) -> None: ...
 
@@ -47,7 +53,8 @@ AttemptSink = Callable[[MetricBatch, int], None]  # (batch, attempt): a TensorBo
 
 
 class MetricRoute:
-    """Where a run's metric batches go: its :class:`MetricHistory`, a live view, and sinks.
+    """Where a run's metric batches and step windows go: its :class:`MetricHistory` and
+    :class:`RankActivity` (the ranks' progress), a live view, and sinks (metrics only).
 
     ``attempt`` is the attempt now running; each record is kept with it. :meth:`close` closes
     the view (sinks belong to whoever passed them).
@@ -55,16 +62,33 @@ class MetricRoute:
 
     def __init__(self, view: MetricsView | None = None, sinks: Sequence[AttemptSink] = ()) -> None:
         self.history = MetricHistory()
+        self.activity = RankActivity()
         self.attempt = 0
         self._view = view
         self._sinks = list(sinks)
+        if view is not None:
+            view.follow(self.activity)
 
-    def __call__(self, batch: MetricBatch) -> None:
-        self.history.add(batch, self.attempt)
+    def __call__(self, event: MetricBatch | StepWindow) -> None:
+        if isinstance(event, StepWindow):
+            self.activity.add_window(event)
+            if self._view is not None:
+                self._view.activity_changed()
+            return
+        self.history.add(event, self.attempt)
+        self.activity.add_reports(event)
         if self._view is not None:
-            self._view.add(batch)
+            self._view.add(event)
         for sink in self._sinks:
-            sink(batch, self.attempt)
+            sink(event, self.attempt)
+
+    def watch(self, group: RankGroup) -> None:
+        """The ranks of ``group`` are the ones now running: their pids on this machine and GPUs."""
+        run = run_state.current_run()
+        pids = {state.rank: state.pid for state in run.ranks} if run is not None else {}
+        here = {r.rank for r in group.plan.ranks if r.interface is None}  # another node's pid means nothing here
+        self.activity.watch({r.rank: pids.get(r.rank) if r.rank in here else None for r in group.plan.ranks},
+                            {r.rank: r.gpu for r in group.plan.ranks})
 
     def close(self) -> None:
         if self._view is not None:
@@ -133,13 +157,14 @@ def run_on_group(group: RankGroup, payload: Packed, settings: CallSettings, *, m
     route = metrics if metrics is not None else MetricRoute()
     history = route.history
     group.metric_sink = route
+    route.watch(group)
     started = time.perf_counter()
     started_at = time.time()
     global _last_result
 
     def result(values: dict[int, Any], error: BaseException | None) -> LaunchResult:
         return LaunchResult(values=values, plan=group.plan, seconds=time.perf_counter() - started,
-                            metrics=history,
+                            metrics=history, ranks=route.activity.summary(),
                             outputs={rank: group.output.text_since(rank, marks[rank]) for rank in ranks},
                             attempts=[Attempt.ended_by(route.attempt, started_at, error)], value_rank=first)
 

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from accelnb.errors import RankFailure
 from accelnb.kernel.display.metrics_history import MetricHistory
+from accelnb.kernel.display.rank_activity import RankSummary
 from accelnb.kernel.planning.rank_plan import LaunchPlan
 
 AttemptEnding = Literal["succeeded", "failed", "timed_out", "interrupted"]
@@ -70,6 +71,9 @@ class LaunchResult:
     outputs: dict[int, str] = field(default_factory=dict, repr=False)
     attempts: list[Attempt] = field(default_factory=list)
     value_rank: int = 0  # whose value ``value`` is
+    # Each rank's progress as the live view showed it: steps, every window's step, data and forward
+    # times, GPU samples, peak host memory (``kernel/display/rank_activity.py``).
+    ranks: dict[int, RankSummary] = field(default_factory=dict, repr=False)
 
     @property
     def value(self) -> Any:

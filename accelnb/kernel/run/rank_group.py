@@ -19,7 +19,7 @@ from accelnb.kernel.display.output import OutputRouter
 from accelnb.kernel.planning.rank_plan import LaunchPlan
 from accelnb.kernel.run.call_outcome import CallOutcome
 from accelnb.wire.buffers import Packed
-from accelnb.wire.events import MetricBatch
+from accelnb.wire.events import MetricBatch, StepWindow
 
 
 class RankGroup(Protocol):
@@ -33,7 +33,7 @@ class RankGroup(Protocol):
     plan: LaunchPlan
     persistent: bool
     output: OutputRouter
-    metric_sink: Callable[[MetricBatch], None] | None
+    metric_sink: Callable[[MetricBatch | StepWindow], None] | None
 
     @property
     def usable(self) -> bool: ...

@@ -9,7 +9,8 @@ socket, a Ray actor's events poll). :func:`record_event` handles the events ever
 - ``CallError`` of this call (or of the set-up, ``call_id`` None): a failure record;
 - ``MetricBatch``: to the group's metric sink;
 - ``StepWindow``: to the call's straggler watch, which names a rank holding the others back, in
-  the cell, once (``kernel/run/group/straggler_watch.py``).
+  the cell, once (``kernel/run/group/straggler_watch.py``), and to the metric sink, whose live
+  view shows every rank's progress.
 
     >>> answers = CallAnswers(call_id=3, ranks=None)                                      # doctest: +SKIP
     >>> record_event(answers, rank, pid, event, phases, output, sink, persistent=False)   # doctest: +SKIP
@@ -34,7 +35,7 @@ from accelnb.kernel.run.group.straggler_watch import StragglerWatch
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import CallError, CallResult, Joined, MetricBatch, StepWindow
 
-MetricSink = Callable[[MetricBatch], None]
+MetricSink = Callable[[MetricBatch | StepWindow], None]
 
 
 @dataclass
@@ -93,6 +94,8 @@ def record_event(answers: CallAnswers, rank: int, pid: int, event: Any, phases: 
         if straggler is not None:
             output.tick(force=True)  # what the ranks printed before comes first
             notebook_sink("stderr", straggler.describe() + "\n")
+        if metric_sink is not None:  # the live per-rank view
+            metric_sink(event)
     elif isinstance(event, MetricBatch):  # a report() or a step (ProgressBatch)
         output.mark_progress()
         if metric_sink is not None:

@@ -1,0 +1,188 @@
+"""The live per-rank view of a launch (issue 26, part 1): every rank's step, speed, waits, GPU and
+host memory, in the cell while it runs and in ``LaunchResult.ranks`` afterwards.
+
+The figures are counted on unchanged DDP code (a ``DistributedDataParallel`` model, ``backward()``,
+``optimizer.step()``, nothing of accelnb's), in real launches of 2 CPU ranks; the GPU figures come
+from the synthetic inventory (the injection the picker tests use), read on the kernel side like
+NVML's. The cell test reads the kernel's own IOPub messages, so it sees every live update, not
+only the last one.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import accelnb
+from accelnb import launch
+from accelnb.kernel.display.rank_activity import RankActivity
+from accelnb.kernel.planning.inventory import synthetic_inventory
+from accelnb.notebook import rank_table
+from accelnb.wire.events import MetricBatch, StepWindow
+
+
+# ── the figures, from windows as the ranks send them ──────────────────────────────────────────
+def activity_of_two_ranks(now: list[float], rank_1_data_s: float) -> RankActivity:
+    inventory = synthetic_inventory(2)
+    activity = RankActivity(clock=lambda: now[0], inventory=lambda: inventory,
+                            host_memory=lambda pid: 2**30 if pid == 11 else None)
+    activity.watch({0: 11, 1: 12}, {0: inventory.gpus[0], 1: inventory.gpus[1]})
+    for _ in range(10):
+        now[0] += 0.25
+        activity.add_window(StepWindow(0, 1, 0.25, 1, 0.01, 0.02))
+        activity.add_window(StepWindow(1, 1, 0.25, 1, rank_1_data_s, 0.02))
+    return activity
+
+
+def test_each_rank_shows_its_steps_speed_waiting_gpu_and_host_memory() -> None:
+    now = [100.0]
+    activity = activity_of_two_ranks(now, rank_1_data_s=0.21)
+    activity.sample()
+    zero, one = activity.rows()
+    assert (zero.steps, one.steps) == (10, 10)
+    assert zero.steps_per_s == pytest.approx(4.0) and zero.step_s == pytest.approx(0.25)
+    # DDP makes both steps 0.25 s; rank 0 reaches the all-reduce 0.2 s sooner and waits there.
+    assert zero.waiting_share == pytest.approx(0.8) and one.waiting_share == 0
+    assert one.slowest and not zero.slowest
+    gpu = synthetic_inventory(2).gpus[0]
+    assert zero.gpu is not None and zero.gpu.synthetic
+    assert (zero.gpu.gpu, zero.gpu.utilization, zero.gpu.memory_used, zero.gpu.power_w) == (
+        0, gpu.utilization, gpu.memory_used, gpu.power_w)
+    assert zero.host_memory == 2**30 and one.host_memory is None
+    text = rank_table.render_text(activity.rows(), final=False)
+    assert "rank 1: step 10, 4.0 steps/s, 0.250 s/step, waiting 0%" in text and "slowest to reach" in text, text
+    assert "GPU 0 (synthetic)" in text and f"{gpu.power_w:.0f} W" in text, text
+
+
+def test_a_balanced_run_marks_nobody_and_a_quiet_rank_says_so() -> None:
+    now = [100.0]
+    activity = activity_of_two_ranks(now, rank_1_data_s=0.012)
+    assert not any(row.slowest for row in activity.rows())
+    now[0] += 30  # no window for 30 s: a 0.25 s step has not come for 120 steps
+    html = rank_table.render_html(activity.rows(), final=False)
+    assert "no step for 30 s" in html
+    assert "no step for" not in rank_table.render_html(activity.rows(), final=True)  # ended, not stalled
+
+
+def test_gpu_and_host_memory_are_read_at_most_once_a_second() -> None:
+    now = [100.0]
+    activity = activity_of_two_ranks(now, rank_1_data_s=0.01)
+    activity.sample()
+    activity.sample()
+    assert len(activity.summary()[0].gpu_samples) == 1
+    now[0] += 1.0
+    activity.sample()
+    assert len(activity.summary()[0].gpu_samples) == 2
+
+
+def test_the_first_step_counts_and_report_steps_count_where_there_is_no_optimizer() -> None:
+    activity = RankActivity(clock=lambda: 5.0)
+    activity.add_window(StepWindow(0, 0, 0.0, 0, 0.0, 0.0, untimed_steps=1))
+    assert activity.rows()[0].steps == 1 and activity.rows()[0].step_s is None
+    activity.add_reports(MetricBatch(1, [(41, 1.0, {"loss": 0.5}), (42, 1.1, {"loss": 0.4})]))
+    assert activity.rows()[1].steps == 42 and activity.counting
+
+
+# ── real launches ─────────────────────────────────────────────────────────────────────────────
+def ddp_training(steps: int, slow_rank: int | None) -> int:
+    model = DDP(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        if dist.get_rank() == slow_rank:
+            time.sleep(0.05)  # a slow batch on this rank
+        inputs, targets = torch.randn(16, 32), torch.randn(16, 4)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(inputs), targets).backward()
+        optimizer.step()
+    return steps
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_the_result_keeps_every_ranks_steps_times_and_waits() -> None:
+    result = launch(ddp_training, args=(30, 1), num_processes=2, quiet=True, timeout=120)
+    assert sorted(result.ranks) == [0, 1]
+    for rank, summary in result.ranks.items():
+        assert summary.steps == 30 and sum(w.steps for w in summary.windows) == 30, (rank, summary)
+        assert len(summary.step_times) >= 1 and len(summary.waits) >= 1
+        assert summary.host_memory_peak is not None and summary.host_memory_peak > 10 * 2**20
+    # rank 1 sleeps before its forward; rank 0 does not (its first steps may wait on rank 1's start)
+    assert statistics.median(result.ranks[1].waits) >= 0.04 > statistics.median(result.ranks[0].waits)
+
+
+def reports_without_an_optimizer() -> None:
+    for step in range(5):
+        accelnb.report(step=step, loss=1.0 / (step + 1))
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_code_that_only_reports_steps_counts_its_report_steps() -> None:
+    result = launch(reports_without_an_optimizer, num_processes=2, quiet=True, timeout=120)
+    assert {rank: s.steps for rank, s in result.ranks.items()} == {0: 4, 1: 4}
+
+
+# ── in a real kernel: the cell's live view ────────────────────────────────────────────────────
+CELL = """
+import time, torch, torch.nn as nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+import accelnb
+
+def train(steps):
+    model = DDP(nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(steps):
+        time.sleep(0.05)
+        optimizer.zero_grad()
+        model(torch.randn(8, 32)).sum().backward()
+        optimizer.step()
+    return steps
+
+started = time.monotonic()
+result = accelnb.launch(train, args=(60,), gpus="0,1", quiet=True)
+print("took", time.monotonic() - started, "steps", {r: s.steps for r, s in result.ranks.items()})
+"""
+
+
+def run_cell_collecting_iopub(code: str, **env: str) -> list[dict[str, Any]]:
+    from tests.conftest import start_repo_kernel
+
+    manager, client = start_repo_kernel(**env)
+    try:
+        msg_id = client.execute(code)
+        messages = []
+        while True:
+            message = client.get_iopub_msg(timeout=180)
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            messages.append(message)
+            if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+                return messages
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_the_cell_shows_every_ranks_figures_live_at_most_once_a_second_and_keeps_a_summary() -> None:
+    messages = run_cell_collecting_iopub(CELL, ACCELNB_SYNTHETIC_GPUS="2")
+    printed = "".join(m["content"]["text"] for m in messages if m["msg_type"] == "stream")
+    errors = [m["content"] for m in messages if m["msg_type"] == "error"]
+    assert not errors and "steps {0: 60, 1: 60}" in printed, (errors, printed)
+    took = float(printed.split("took ")[1].split()[0])
+    shown = [m for m in messages if m["msg_type"] in ("display_data", "update_display_data")]
+    assert shown and shown[0]["msg_type"] == "display_data", [m["msg_type"] for m in messages]
+    assert len({m["content"]["transient"]["display_id"] for m in shown}) == 1  # one view, updated in place
+    live = [m for m in shown if "accelnb ranks (live)" in m["content"]["data"]["text/plain"]]
+    assert len(live) <= took + 1, (len(live), took)  # at most once a second
+    final = shown[-1]["content"]["data"]
+    assert "accelnb ranks (final)" in final["text/plain"], final["text/plain"]
+    for rank in (0, 1):
+        assert f"rank {rank}: step 60" in final["text/plain"], final["text/plain"]
+        assert f"GPU {rank} (synthetic)" in final["text/plain"], final["text/plain"]
+    assert 'class="accelnb-ranks"' in final["text/html"] and "host memory" in final["text/html"]
