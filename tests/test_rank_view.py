@@ -186,3 +186,70 @@ def test_the_cell_shows_every_ranks_figures_live_at_most_once_a_second_and_keeps
         assert f"rank {rank}: step 60" in final["text/plain"], final["text/plain"]
         assert f"GPU {rank} (synthetic)" in final["text/plain"], final["text/plain"]
     assert 'class="accelnb-ranks"' in final["text/html"] and "host memory" in final["text/html"]
+
+
+# ── a total the code already knows: rank 0's tqdm bar ─────────────────────────────────────────
+def tqdm_loop() -> None:
+    from tqdm.auto import tqdm
+
+    for _ in tqdm(range(30), desc="train"):
+        time.sleep(0.01)
+
+
+def hf_trainer_with_its_progress_bar(output_dir: str) -> int:
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=32, n_positions=16))
+    tokens = torch.arange(1, 9)
+    data = [{"input_ids": tokens, "labels": tokens} for _ in range(32)]
+    args = TrainingArguments(output_dir=output_dir, use_cpu=True, max_steps=6, per_device_train_batch_size=2,
+                             report_to=[], save_strategy="no")  # the Trainer's own tqdm bar stays on
+    trainer = Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    return trainer.state.global_step
+
+
+def lightning_trainer_with_its_progress_bar() -> int:
+    import lightning as L
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Regression(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 1)
+
+        def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.layer(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = DataLoader(TensorDataset(torch.randn(64, 4), torch.randn(64, 1)), batch_size=8)
+    trainer = L.Trainer(accelerator="cpu", devices=2, max_epochs=1, logger=False, enable_checkpointing=False,
+                        enable_model_summary=False)  # its default TQDMProgressBar stays on
+    trainer.fit(Regression(), data)
+    return trainer.global_step
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_rank_0s_tqdm_bar_is_the_cells_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    launch(tqdm_loop, num_processes=2, quiet=True, timeout=120)
+    assert "  train: 100% 30/30 [" in capsys.readouterr().out  # the view's summary, outside a notebook
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_the_hf_trainers_max_steps_is_the_bars_total(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    assert launch(hf_trainer_with_its_progress_bar, args=(str(tmp_path),), num_processes=2, quiet=True,
+                  timeout=120).value == 6
+    shown = capsys.readouterr().out
+    assert "100% 6/6 [" in shown and "accelnb ranks (final)" in shown, shown
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_lightnings_progress_bar_total_is_the_bars_total(capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("lightning")
+    assert launch(lightning_trainer_with_its_progress_bar, num_processes=2, quiet=True, timeout=120).value == 4
+    shown = capsys.readouterr().out
+    assert "Epoch 0/0: 100% 4/4 [" in shown, shown  # 64 samples, batches of 8, split over 2 ranks: 4 steps

@@ -38,7 +38,7 @@ from typing import Any
 from accelnb.wire import channel
 from accelnb.wire.events import InputReply, Joined, RunCall, Shutdown
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import rank_debugger, rank_input, report, restarts, step_timing
+from accelnb.worker import library_progress, rank_debugger, rank_input, report, restarts, step_timing
 from accelnb.worker.other_launchers import launches_inside, plain_process, process_group
 from accelnb.worker.rank_body import (
     chdir_quietly,
@@ -137,6 +137,7 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     process_group.join_default_group(spec, store_fd, torch, dist)
     launches_inside.install(spec)  # mp.spawn & co. run in place, or refuse
     step_timing.install()  # steps and where their time goes, for the straggler watch
+    library_progress.install()  # rank 0's tqdm and rich bars become the cell's progress bar
     return terminating, flusher
 
 

@@ -42,7 +42,7 @@ from accelnb.wire import channel
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import CallError, CallResult, Joined, OutputChunk, RunCall
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import report, restarts, step_timing
+from accelnb.worker import library_progress, report, restarts, step_timing
 from accelnb.worker.other_launchers import launches_inside, process_group
 from accelnb.worker.rank_body import (
     chdir_quietly,
@@ -160,6 +160,7 @@ class RankActor:
         process_group.join_default_group(spec, store_fd, torch, dist)
         launches_inside.install(spec)  # mp.spawn & co. run in place, or refuse
         step_timing.install()  # steps and where their time goes, for the straggler watch
+        library_progress.install()  # rank 0's tqdm and rich bars become the cell's progress bar
 
     def _capture_output(self, rank: int) -> None:
         """Point fds 1 and 2 at pipes a thread reads: C and C++ output (gloo, NCCL) comes too,

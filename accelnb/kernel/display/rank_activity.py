@@ -38,6 +38,7 @@ from accelnb.kernel.run.group.straggler_watch import MIN_LEAD_S, MIN_SHARE
 from accelnb.wire.events import MetricBatch, StepWindow
 
 RATE_WINDOW_S = 10.0  # steps per second over this much recent time
+MIN_RATE_SPAN_S = 1.0  # ... once windows span at least this much
 RECENT_WINDOWS = 20  # windows that make the "recent" time per step and waiting figures
 SAMPLE_INTERVAL_S = 1.0  # NVML and /proc at most this often
 MAX_KEPT = 10_000  # windows and samples kept per rank for the result (a long run keeps its latest)
@@ -209,7 +210,7 @@ class RankActivity:
                 waiting = max(0.0, known[slowest] - known[rank]) / step_s
             rows.append(RankRow(
                 rank=rank, steps=seen.steps if seen.steps else (seen.report_step or 0),
-                steps_per_s=_rate(seen.arrivals, now), step_s=step_s, before_collective_s=before[rank],
+                steps_per_s=_rate(seen.arrivals, now, step_s), step_s=step_s, before_collective_s=before[rank],
                 waiting_share=waiting, host_memory=seen.host_memory,
                 gpu=seen.gpu_samples[-1] if seen.gpu_samples else None,
                 seconds_since_step=None if seen.last_step_at is None else now - seen.last_step_at,
@@ -227,13 +228,14 @@ def _median_before(seen: _Rank) -> float | None:
     return statistics.median(split) if split else None
 
 
-def _rate(arrivals: deque[tuple[float, int]], now: float) -> float | None:
-    """Steps per second over the recent windows (None before two windows came)."""
+def _rate(arrivals: deque[tuple[float, int]], now: float, step_s: float | None) -> float | None:
+    """Steps per second over the recent windows; over less than a second of arrivals (a short
+    run, the last flush right after the one before), one over the time per step."""
     recent = [(t, n) for t, n in arrivals if now - t <= RATE_WINDOW_S]
-    if len(recent) < 2:
-        return None
-    span = recent[-1][0] - recent[0][0]
-    return sum(n for _, n in recent[1:]) / span if span > 0 else None
+    span = recent[-1][0] - recent[0][0] if len(recent) >= 2 else 0.0
+    if span >= MIN_RATE_SPAN_S:
+        return sum(n for _, n in recent[1:]) / span
+    return 1 / step_s if step_s else None
 
 
 def _holds_back(before: Mapping[int, float], rank: int, step_s: float | None) -> bool:
