@@ -21,12 +21,14 @@ no steps; code without DDP gets step times but no split.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import time
 from typing import Any
 
 from accelnb.wire.events import StepWindow
 
+SWITCH_ENV = "ACCELNB_STEP_TIMING"  # "off": no step counting, no per-rank view, no straggler watch
 _lock = threading.Lock()
 _last_step_end: float | None = None
 _forward_start: float | None = None
@@ -42,9 +44,10 @@ _installed = False
 
 
 def install() -> None:
-    """Count steps and time DDP's forward in this rank (once per process)."""
+    """Count steps and time DDP's forward in this rank (once per process), unless
+    ``ACCELNB_STEP_TIMING=off`` (``benchmarks/bench_rank_view.py`` measures the cost with and without)."""
     global _installed
-    if _installed:
+    if _installed or os.environ.get(SWITCH_ENV, "on").strip().lower() in ("off", "0", "no", "false"):
         return
     from torch.nn.parallel import DistributedDataParallel
     from torch.optim.optimizer import register_optimizer_step_post_hook
