@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 
 from accelnb.errors import LaunchConfigError
+from accelnb.kernel.display.rank_activity import RankActivity
 from accelnb.kernel.helper.payload import pack_call
 from accelnb.kernel.planning import rank_plan
 from accelnb.kernel.planning.inventory import Inventory, read_inventory
@@ -65,6 +66,7 @@ class Session:
         # A session the user drops (reassigned, deleted, kernel shutting down) must not leave its
         # workers waiting for calls that never come. The finalizer holds the group, never self.
         self._finalizer = weakref.finalize(self, group.shutdown)
+        self._activity: RankActivity | None = None  # the ranks' progress in the latest call
 
     @classmethod
     @documents_options(StartKeywords)
@@ -137,6 +139,7 @@ class Session:
         payload = pack_call(function, args, kwargs or {})
         try:
             with metric_route(call) as route:
+                self._activity = route.activity  # what status() shows, live during the call
                 return run_on_group(self._group, payload, call.view(CallSettings), metrics=route,
                                     chosen_ranks=call.ranks)
         finally:
@@ -179,6 +182,10 @@ class Session:
             if gpus_now is not None and spec.gpu is not None:
                 line += f"  GPU memory {_gpu_memory_of(worker.pid, spec.gpu.uuid, gpus_now)}"
             lines.append(line)
+        if self._activity is not None and self._activity.counting:
+            self._activity.sample()
+            lines.append("progress in the last call:")
+            lines.extend(f"  rank {row.rank}: {row.describe()}" for row in self._activity.rows())
         return "\n".join(lines)
 
 

@@ -190,8 +190,8 @@ def test_changes_made_in_the_kernel_reach_the_panel(kernel: KernelSession, panel
                    "run_state.begin_run(run)")
     run = kernel.next_from(panel, seen)["run"]
     assert run == {"run_id": 7, "finished": False, "ranks": [
-        {"rank": 0, "device": "cpu", "phase": "running", "pid": 42, "detail": ""},
-        {"rank": 1, "device": "cpu", "phase": "failed", "pid": 43, "detail": "ZeroDivisionError"}]}
+        {"rank": 0, "device": "cpu", "phase": "running", "pid": 42, "detail": "", "progress": ""},
+        {"rank": 1, "device": "cpu", "phase": "failed", "pid": 43, "detail": "ZeroDivisionError", "progress": ""}]}
 
     seen = len(kernel.comm_messages(panel))
     kernel.send(panel, {"type": "stop"})

@@ -53,6 +53,28 @@ def test_a_cpu_session_lists_ranks_pids_and_host_memory() -> None:
     assert worker_processes() == []
 
 
+def ten_ddp_steps() -> None:
+    import torch
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(torch.nn.Linear(8, 2))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(10):
+        optimizer.zero_grad()
+        model(torch.randn(4, 8)).sum().backward()
+        optimizer.step()
+
+
+def test_status_shows_each_ranks_progress_in_the_last_call() -> None:
+    with Session.start(num_processes=2, quiet=True) as session:
+        session.run(ten_ddp_steps)
+        lines = session.status().splitlines()
+    assert lines[3] == "progress in the last call:", lines
+    for rank in (0, 1):
+        assert lines[4 + rank].startswith(f"  rank {rank}: step 10 · "), lines
+        assert " steps/s · waiting " in lines[4 + rank] and " · host " in lines[4 + rank], lines
+
+
 def _gone(pids: list[int]) -> bool:
     return not any(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
                    for pid in pids)

@@ -38,7 +38,7 @@ A state message::
                    "synthetic": bool, "source": "nvml" | "none" | "synthetic", "note": str},
      "selection": {"gpus": [int] | null, "num_processes": int | null, "magic_line": str},
      "run": null | {"run_id": int, "finished": bool,
-                    "ranks": [{"rank", "device", "phase", "pid", "detail"}]}}
+                    "ranks": [{"rank", "device", "phase", "pid", "detail", "progress"}]}}
 
 Each open comm is one panel with its own subscriptions; closing the comm ends them. The
 inventory is read when a panel connects, on ``refresh`` and when a run finishes, not on every

@@ -39,6 +39,9 @@ export interface IRank {
   phase: RankPhase;
   pid: number | null;
   detail: string;
+  // its step, steps/s, waiting share, GPU and host memory, one line (RankRow.describe), at most
+  // once a second; absent from a kernel older than the live per-rank view
+  progress?: string;
 }
 
 export interface IRun {

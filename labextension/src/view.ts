@@ -176,7 +176,7 @@ export class GpuPanelView extends Widget {
     section.appendChild(el('div', 'accelnb-GpuPanel-runTitle', title));
     const table = el('table', 'accelnb-GpuPanel-ranks') as HTMLTableElement;
     const head = table.createTHead().insertRow();
-    for (const name of ['Rank', 'Device', 'State', 'PID']) {
+    for (const name of ['Rank', 'Device', 'State', 'PID', 'Progress']) {
       head.appendChild(el('th', '', name));
     }
     const body = table.createTBody();
@@ -193,6 +193,9 @@ export class GpuPanelView extends Widget {
         phase.title = rank.detail;
       }
       row.insertCell().textContent = rank.pid === null ? '' : String(rank.pid);
+      const progress = row.insertCell();
+      progress.className = 'accelnb-GpuPanel-progress';
+      progress.textContent = rank.progress ?? '';
     }
     section.appendChild(table);
     if (!run.finished) {

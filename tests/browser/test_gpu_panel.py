@@ -127,3 +127,40 @@ def test_stop_button_interrupts_a_running_cell(page: Page, lab_server: LabServer
     expect(panel.locator('.accelnb-GpuPanel-ranks tr[data-phase="running"]')).to_have_count(0)
     expect(lab.toolbar_item()).to_have_text("GPUs 0,1")
     page.screenshot(path=str(ARTIFACTS / "gpu-panel-stop.png"))
+
+
+TRAINING_CELL = """%%distributed --gpus 0,1
+import time, torch
+from torch.nn.parallel import DistributedDataParallel as DDP
+model = DDP(torch.nn.Linear(32, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(200):
+    time.sleep(0.05)
+    optimizer.zero_grad()
+    model(torch.randn(8, 32)).sum().backward()
+    optimizer.step()
+"""
+
+
+def test_a_training_cell_shows_every_ranks_progress_in_the_cell_and_the_panel(
+    page: Page, lab_server: LabServer
+) -> None:
+    path = lab_server.create_notebook("progress.ipynb", [LOAD_ACCELNB, TRAINING_CELL])
+    lab = LabPage(page)
+    lab.open_notebook(lab_server.notebook_url(path, "progress"))
+    panel = lab.open_gpu_panel()
+    lab.run_cell(0)
+    # The panel connects once the kernel has loaded accelnb and is free (a queued cell comes first).
+    expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_have_text("No run yet.", timeout=60_000)
+    lab.run_cell(1)
+    # While it runs: the cell's per-rank table, and each rank's progress line in the side panel.
+    expect(lab.output(1).locator("table.accelnb-ranks tr")).to_have_count(3, timeout=90_000)  # a head, 2 ranks
+    expect(panel.locator(".accelnb-GpuPanel-progress").first).to_contain_text("steps/s", timeout=30_000)
+    expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_have_text("Run in progress", timeout=1)  # still live
+    page.screenshot(path=str(ARTIFACTS / "rank-view-live.png"))
+    expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_have_text("Last run: finished", timeout=90_000)
+    final = lab.output(1).locator("table.accelnb-ranks")
+    expect(final.locator("tr").nth(1).locator("td").nth(1)).to_have_text("200")  # rank 0's steps, all of them
+    expect(panel.locator(".accelnb-GpuPanel-progress").first).to_contain_text("step 200 ·")  # the last figures
+    expect(final).to_contain_text("(synthetic)")  # the GPU columns, from the synthetic inventory
+    page.screenshot(path=str(ARTIFACTS / "rank-view-final.png"))

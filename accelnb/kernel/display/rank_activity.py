@@ -83,6 +83,25 @@ class RankRow:
     seconds_since_step: float | None
     slowest: bool = False  # takes longest to reach the collective, by a margin that matters
 
+    def describe(self) -> str:
+        """One compact line: ``step 120 · 3.2 steps/s · waiting 12% · GPU 87% 10.2/80.0 GB 250 W · host 1.2 GB``
+        (what the side panel and a session's status show)."""
+        parts = [f"step {self.steps:,}"]
+        if self.steps_per_s is not None:
+            rate = self.steps_per_s
+            parts.append(f"{rate:,.1f} steps/s" if rate >= 1 else f"{rate:.2f} steps/s")
+        if self.waiting_share is not None:
+            parts.append(f"waiting {self.waiting_share:.0%}")
+        if self.gpu is not None:
+            util = "" if self.gpu.utilization is None else f" {self.gpu.utilization}%"
+            power = "" if self.gpu.power_w is None else f" {self.gpu.power_w:.0f} W"
+            parts.append(f"GPU{util} {self.gpu.memory_used / 1e9:.1f}/{self.gpu.memory_total / 1e9:.1f} GB{power}")
+        if self.host_memory is not None:
+            parts.append(f"host {self.host_memory / 1e9:.1f} GB")
+        if self.slowest:
+            parts.append("slowest")
+        return " · ".join(parts)
+
 
 @dataclass
 class RankSummary:

@@ -49,6 +49,7 @@ class MetricsView(Protocol):
     def close(self) -> None: ...
 
 
+PROGRESS_PUBLISH_INTERVAL_S = 1.0  # ranks' progress lines to the run's state (the side panel)
 AttemptSink = Callable[[MetricBatch, int], None]  # (batch, attempt): a TensorBoard log, the caller's sink
 
 
@@ -63,6 +64,7 @@ class MetricRoute:
     def __init__(self, view: MetricsView | None = None, sinks: Sequence[AttemptSink] = ()) -> None:
         self.history = MetricHistory()
         self.activity = RankActivity()
+        self._published = -float("inf")
         self.attempt = 0
         self._view = view
         self._sinks = list(sinks)
@@ -74,6 +76,7 @@ class MetricRoute:
             self.activity.add_window(event)
             if self._view is not None:
                 self._view.activity_changed()
+            self._publish_progress()
             return
         self.history.add(event, self.attempt)
         self.activity.add_reports(event)
@@ -81,6 +84,25 @@ class MetricRoute:
             self._view.add(event)
         for sink in self._sinks:
             sink(event, self.attempt)
+
+    def _publish_progress(self, final: bool = False) -> None:
+        """Each rank's progress line on the run's state, for the side panel: at most once a second,
+        and once more when the call ends (``final``), so the panel keeps the last figures."""
+        now = time.monotonic()
+        run = run_state.current_run()
+        if run is None or (now - self._published < PROGRESS_PUBLISH_INTERVAL_S and not final):
+            return
+        if final and not self.activity.counting:
+            return
+        self._published = now
+        lines = {row.rank: row.describe() for row in self.activity.rows()}
+        for state in run.ranks:
+            state.progress = lines.get(state.rank, state.progress)
+        run_state.publish()
+
+    def call_ended(self) -> None:
+        """The call's ranks answered or ended: their last figures, to the side panel."""
+        self._publish_progress(final=True)
 
     def watch(self, group: RankGroup) -> None:
         """The ranks of ``group`` are the ones now running: their pids on this machine and GPUs."""
@@ -185,6 +207,7 @@ def run_on_group(group: RankGroup, payload: Packed, settings: CallSettings, *, m
         raise
     finally:
         group.output.tick(force=True)
+        route.call_ended()
         if metrics is None:
             route.close()
     if error is not None:

@@ -42,6 +42,7 @@ class RankState:
     phase: RankPhase = "starting"
     pid: int | None = None
     detail: str = ""  # failure summary, exit signal…
+    progress: str = ""  # its step, speed, waits, GPU (RankRow.describe), at most once a second
 
 
 # Run ids only grow, so a display can tell a new run from the one it shows even when the
