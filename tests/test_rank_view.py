@@ -253,3 +253,27 @@ def test_lightnings_progress_bar_total_is_the_bars_total(capsys: pytest.CaptureF
     assert launch(lightning_trainer_with_its_progress_bar, num_processes=2, quiet=True, timeout=120).value == 4
     shown = capsys.readouterr().out
     assert "Epoch 0/0: 100% 4/4 [" in shown, shown  # 64 samples, batches of 8, split over 2 ranks: 4 steps
+
+
+def reports_with_a_total() -> None:
+    for step in range(20):
+        accelnb.report(step=step, total=20, loss=1.0 / (step + 1))
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_report_total_makes_the_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
+    result = launch(reports_with_a_total, num_processes=2, quiet=True, timeout=120)
+    assert "  steps: 100% 20/20 [" in capsys.readouterr().out
+    assert [value for _, value in result.metrics.series("loss")][-1] == pytest.approx(0.05)  # metrics as before
+
+
+def reports_a_float_total() -> None:
+    accelnb.report(step=1, total=2.5)
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_total_that_is_not_a_number_of_steps_says_how_to_report_a_metric_called_total() -> None:
+    with pytest.raises(accelnb.RankFailed) as failed:
+        launch(reports_a_float_total, num_processes=1, quiet=True, timeout=120)
+    assert "total= is how many steps the run takes" in str(failed.value)
+    assert "report({'total': value})" in str(failed.value)

@@ -170,14 +170,14 @@ def where():
     print(f"rank {dist.get_rank()} says hello", flush=True)
     total = torch.tensor([dist.get_rank() + 1.0])
     dist.all_reduce(total)
-    accelnb.report(step=1, total=total.item())
+    accelnb.report(step=1, sum=total.item())
     keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "GLOO_SOCKET_IFNAME")
     return {**{k: os.environ[k] for k in keys}, "sum": total.item()}
 
 result = launch(where, num_processes=2, cluster="ray")
 for rank, value in sorted(result.values.items()):
     print("value", rank, sorted(value.items()))
-print("metrics", result.metrics.series("total", rank=0), result.metrics.series("total", rank=1))
+print("metrics", result.metrics.series("sum", rank=0), result.metrics.series("sum", rank=1))
 """)
     out = cell.stdout
     assert re.search(r"2 rank\(s\) on 2 Ray node\(s\), backend gloo", out), out

@@ -63,14 +63,17 @@ def attach(writer: MessageWriter, rank: int) -> None:
     _writer, _rank = writer, rank
 
 
-def report(metrics: Mapping[str, Any] | None = None, /, *, step: int | None = None,
+def report(metrics: Mapping[str, Any] | None = None, /, *, step: int | None = None, total: int | None = None,
            **scalars: Any) -> None:
     """Record scalar metrics of this rank, shown live in the notebook and returned by the launch.
 
     ``report(step=10, loss=0.5, lr=1e-3)`` or ``report({"loss": 0.5}, step=10)``. Values may be
     Python numbers, numpy scalars or one-element tensors (on any device; ``.item()`` moves them
     to the CPU). ``step`` is an integer (the chart's x axis); without it, the chart uses the
-    report's position in the series. Outside a launch, nothing happens (one warning).
+    report's position in the series. ``total``: how many steps the run takes; on rank 0 it makes
+    the cell's progress bar (fraction done, ETA), at ``step`` (counted from 1, or from 0 when the
+    first step reported is 0) or else at the number of reports. A metric named ``total`` goes in
+    the dict: ``report({"total": x})``. Outside a launch, nothing happens (one warning).
 
     Raises:
         TypeError: a value is not a number or one-element tensor, or ``step`` is not an integer.
@@ -91,6 +94,8 @@ def report(metrics: Mapping[str, Any] | None = None, /, *, step: int | None = No
             scalars[name] = _to_float(name, value)
     if step is not None and (type(step) is not int or not -_STEP_LIMIT <= step < _STEP_LIMIT):
         step = _to_step(step)
+    if total is not None and _rank == 0:
+        _advance_reported_steps(step, total)
     _pending.append((step, _now(), scalars))
 
 
@@ -143,6 +148,56 @@ def _changed_bars() -> list[ProgressState]:
             with _bars_lock:
                 _bars.pop(bar_id, None)
     return states
+
+
+class _ReportedSteps:
+    """The progress bar of ``report(total=…)`` on rank 0: a :class:`ProgressSource` like
+    ``accelnb.progress``'s, moved by the reports instead of a loop."""
+
+    def __init__(self, total: int) -> None:
+        self.total = total
+        self.n = 0
+        self.closed = False
+        self._offset: int | None = None  # 1 when the steps count from 0
+        self._started = time.time()
+        self._sent: tuple[int, int] | None = None
+        self._bar_id = -1  # apart from accelnb.progress's ids, which count up from 1
+        self._position = open_bar(self._bar_id, self)
+
+    def advance(self, step: int | None, total: int) -> None:
+        self.total = total
+        if step is None:
+            self.n += 1
+        else:
+            if self._offset is None:
+                self._offset = 1 if step == 0 else 0
+            self.n = step + self._offset
+
+    def snapshot(self) -> ProgressState | None:
+        n, total = self.n, self.total
+        if (n, total) == self._sent:
+            return None
+        self._sent = (n, total)
+        return ProgressState(self._bar_id, self._position, "steps", n, total, self._started, time.time(),
+                             closed=n >= total)
+
+
+_reported_steps: _ReportedSteps | None = None
+
+
+def _advance_reported_steps(step: int | None, total: Any) -> None:
+    global _reported_steps
+    try:
+        total = operator.index(total)  # ints, numpy integers, integer tensors
+    except TypeError:
+        raise TypeError(f"accelnb.report: total= is how many steps the run takes, an integer; got "
+                        f"{type(total).__name__} {total!r}. A metric named total goes in the dict: "
+                        f"report({{'total': value}}).") from None
+    if total <= 0:
+        raise ValueError(f"accelnb.report: total={total}: the number of steps must be positive.")
+    if _reported_steps is None or _reported_steps.closed:
+        _reported_steps = _ReportedSteps(total)
+    _reported_steps.advance(step, total)
 
 
 # ── conversions, off the fast path ─────────────────────────────────────────────────────────
