@@ -277,3 +277,25 @@ def test_a_total_that_is_not_a_number_of_steps_says_how_to_report_a_metric_calle
         launch(reports_a_float_total, num_processes=1, quiet=True, timeout=120)
     assert "total= is how many steps the run takes" in str(failed.value)
     assert "report({'total': value})" in str(failed.value)
+
+
+def ddp_inference_then_training(inference_steps: int, training_steps: int) -> None:
+    model = DDP(nn.Linear(16, 4))
+    with torch.no_grad():  # an evaluation or inference loop: forwards only
+        for _ in range(inference_steps):
+            model(torch.randn(8, 16))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(training_steps):
+        optimizer.zero_grad()
+        model(torch.randn(8, 16)).sum().backward()
+        optimizer.step()
+        with torch.no_grad():  # evaluation between steps must not count as steps
+            model(torch.randn(8, 16))
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_an_inference_loop_counts_its_forwards_and_training_counts_only_optimizer_steps() -> None:
+    inference = launch(ddp_inference_then_training, args=(25, 0), num_processes=2, quiet=True, timeout=120)
+    assert {rank: s.steps for rank, s in inference.ranks.items()} == {0: 25, 1: 25}
+    training = launch(ddp_inference_then_training, args=(5, 12), num_processes=2, quiet=True, timeout=120)
+    assert {rank: s.steps for rank, s in training.ranks.items()} == {0: 12, 1: 12}

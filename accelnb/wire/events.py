@@ -130,6 +130,9 @@ class StepWindow:
     # Steps counted without a duration (a rank's first: nothing marks where it began), in none of
     # the sums above; ``steps + untimed_steps`` is how many optimizer steps the rank took.
     untimed_steps: int = 0
+    # DDP forwards under no_grad/inference_mode: an inference loop's steps, for code that has no
+    # optimizer step (the kernel counts them only while the rank counts no optimizer step).
+    forward_steps: int = 0
 
 
 @dataclass(frozen=True)

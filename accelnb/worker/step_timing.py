@@ -14,8 +14,10 @@ split at the DDP forward (``DistributedDataParallel.forward``, timed by a wrappe
 The report flush (``worker/report.py``, every 50 ms) sends what the steps since the last flush
 added up to, as one :class:`~accelnb.wire.events.StepWindow`; the kernel compares ranks
 (``kernel/run/group/straggler_watch.py``). A step costs two clock reads and a few additions
-(``benchmarks/`` measures it on the DDP loop). Code without an optimizer step (inference) counts
-no steps; code without DDP gets step times but no split.
+(``benchmarks/bench_rank_view.py`` measures it on the DDP loop). An inference loop (DDP forwards
+under ``no_grad``/``inference_mode``) counts its forwards apart, as ``forward_steps``: the kernel
+shows them only for a rank that takes no optimizer step, so a training run's evaluation does not
+inflate its step count. Code without DDP gets step times but no split.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ _data_s = 0.0
 _forward_s = 0.0
 _split_steps = 0  # how many of those steps had a DDP forward to split at
 _untimed_steps = 0  # the first step: counted, but nothing marks where it began
+_forward_steps = 0  # DDP forwards without autograd (inference), since the last flush
 _installed = False
 
 
@@ -49,16 +52,22 @@ def install() -> None:
     global _installed
     if _installed or os.environ.get(SWITCH_ENV, "on").strip().lower() in ("off", "0", "no", "false"):
         return
+    import torch
     from torch.nn.parallel import DistributedDataParallel
     from torch.optim.optimizer import register_optimizer_step_post_hook
 
     register_optimizer_step_post_hook(_after_optimizer_step)
     original_forward = DistributedDataParallel.forward
 
+    grad_enabled = torch.is_grad_enabled
+
     @functools.wraps(original_forward)
     def timed_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
-        global _forward_start, _forward_end
+        global _forward_start, _forward_end, _forward_steps
         started = time.perf_counter()
+        if not grad_enabled():  # an inference step (no optimizer step will follow it)
+            with _lock:
+                _forward_steps += 1
         if _forward_start is None:  # the first forward of the step (gradient accumulation: several)
             _forward_start = started
         try:
@@ -90,10 +99,11 @@ def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
 
 def take_window(rank: int) -> StepWindow | None:
     """What the steps since the last call added up to, or None when there was no step."""
-    global _steps, _step_s, _data_s, _forward_s, _split_steps, _untimed_steps
+    global _steps, _step_s, _data_s, _forward_s, _split_steps, _untimed_steps, _forward_steps
     with _lock:
-        if _steps == 0 and _untimed_steps == 0:
+        forwards, _forward_steps = _forward_steps, 0
+        if _steps == 0 and _untimed_steps == 0 and forwards == 0:
             return None
-        window = StepWindow(rank, _steps, _step_s, _split_steps, _data_s, _forward_s, _untimed_steps)
+        window = StepWindow(rank, _steps, _step_s, _split_steps, _data_s, _forward_s, _untimed_steps, forwards)
         _steps, _step_s, _data_s, _forward_s, _split_steps, _untimed_steps = 0, 0.0, 0.0, 0.0, 0, 0
     return window

@@ -2,8 +2,8 @@
 
 Fed on the kernel side from what the ranks already send: their step windows
 (:class:`~accelnb.wire.events.StepWindow`, counted on unchanged code at every optimizer step by
-``worker/step_timing.py``), and their ``report(step=…)`` batches for code without an optimizer
-step. GPU figures come from NVML through the launch's inventory reader
+``worker/step_timing.py``, or at every DDP forward without autograd for an inference loop), and
+their ``report(step=…)`` batches for code with neither. GPU figures come from NVML through the launch's inventory reader
 (:func:`accelnb.kernel.planning.inventory.read_inventory`, which never initialises CUDA in the
 kernel), host memory from ``/proc``; both are read only when someone looks (:meth:`RankActivity.sample`,
 at most once a second), so a launch nobody watches pays nothing for them.
@@ -130,6 +130,7 @@ class _Rank:
     gpu: GpuInfo | None = None
     steps: int = 0
     report_step: int | None = None  # the latest report(step=…), for code without an optimizer step
+    inference_steps: int = 0  # DDP forwards without autograd, while the rank took no optimizer step
     last_step_at: float | None = None  # monotonic
     arrivals: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=256))  # (monotonic, steps)
     recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=RECENT_WINDOWS))
@@ -164,7 +165,11 @@ class RankActivity:
         now = self._clock() if now is None else now
         seen = self._ranks.setdefault(window.rank, _Rank())
         count = window.steps + window.untimed_steps
-        seen.steps += count
+        if count or seen.steps:  # training: optimizer steps
+            seen.steps += count
+        else:  # no optimizer step yet: an inference loop's DDP forwards are its steps
+            count = window.forward_steps
+            seen.inference_steps += count
         seen.last_step_at = now
         seen.arrivals.append((now, count))
         split = window.split_steps
@@ -190,7 +195,7 @@ class RankActivity:
     @property
     def counting(self) -> bool:
         """Whether any rank counted a step (an optimizer step, or a ``report(step=…)``)."""
-        return any(r.steps or r.report_step is not None for r in self._ranks.values())
+        return any(r.steps or r.inference_steps or r.report_step is not None for r in self._ranks.values())
 
     # ── reading the machine ─────────────────────────────────────────────────────────────────
     def sample(self, force: bool = False) -> None:
@@ -228,7 +233,7 @@ class RankActivity:
             if slowest is not None and before[rank] is not None and step_s:
                 waiting = max(0.0, known[slowest] - known[rank]) / step_s
             rows.append(RankRow(
-                rank=rank, steps=seen.steps if seen.steps else (seen.report_step or 0),
+                rank=rank, steps=_steps_of(seen),
                 steps_per_s=_rate(seen.arrivals, now, step_s), step_s=step_s, before_collective_s=before[rank],
                 waiting_share=waiting, host_memory=seen.host_memory,
                 gpu=seen.gpu_samples[-1] if seen.gpu_samples else None,
@@ -237,9 +242,14 @@ class RankActivity:
         return rows
 
     def summary(self) -> dict[int, RankSummary]:
-        return {rank: RankSummary(rank, seen.steps or (seen.report_step or 0), list(seen.kept),
+        return {rank: RankSummary(rank, _steps_of(seen), list(seen.kept),
                                   list(seen.gpu_samples), seen.host_memory_peak)
                 for rank, seen in sorted(self._ranks.items())}
+
+
+def _steps_of(seen: _Rank) -> int:
+    """Optimizer steps; else an inference loop's forwards; else the latest ``report(step=…)``."""
+    return seen.steps or seen.inference_steps or (seen.report_step or 0)
 
 
 def _median_before(seen: _Rank) -> float | None:
