@@ -1,4 +1,5 @@
-"""The live metrics view in the running cell: a chart per metric, latest values, progress bars.
+"""The live view in the running cell: every rank's progress, a chart per metric, latest values,
+progress bars.
 
 The launcher makes one per launch and feeds it every :class:`~accelnb.wire.events.MetricBatch` from
 the waiting thread (the kernel's main thread, inside the cell)::
@@ -20,7 +21,12 @@ headless, or opened later, still shows the curves. Each chart thins its series t
 ``2 × points_per_chart`` evenly spaced reports plus the latest; the launch's
 :class:`~accelnb.kernel.display.metrics_history.MetricHistory` keeps everything.
 
-Nothing is displayed when nothing was reported. Without an IPython kernel (a script, a terminal)
+Above the charts, once any rank counts a step, the per-rank table of :mod:`accelnb.notebook.rank_table`
+(steps, speed, waits, GPU, memory), from the launch's
+:class:`~accelnb.kernel.display.rank_activity.RankActivity` (:meth:`LiveMetricsView.follow`); it alone
+redraws at most once a second.
+
+Nothing is displayed when nothing was reported and no step was counted. Without an IPython kernel (a script, a terminal)
 the view prints a compact text summary at close instead. A surface that raises follows accelnb's
 observer policy (:mod:`accelnb.kernel.display.observers`): the view logs the error once, stops drawing,
 and the launch goes on.
