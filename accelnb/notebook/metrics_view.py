@@ -60,7 +60,8 @@ _log = logging.getLogger(__name__)
 
 
 class DisplaySurface(Protocol):
-    """Where the view draws: the cell (IPython) or a text stream. Injectable for tests."""
+    """Where the view draws: the cell (IPython) or a text stream. Injectable for tests.
+    A surface with ``live = False`` shows only the final state, so nothing is drawn before it."""
 
     def draw(self, bundle: dict[str, str], final: bool) -> None:
         """Show ``bundle`` (a MIME bundle), replacing what the previous call showed."""
@@ -83,6 +84,8 @@ class NotebookSurface:
 
 class TextSurface:
     """Prints the final state only: a script's terminal has no place to update in."""
+
+    live = False  # the view renders nothing for it until the end
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self._stream = stream
@@ -255,6 +258,10 @@ class LiveMetricsView:
 
     def _on_wait(self) -> None:
         """Draw if something changed and the last draw is old enough (also the wait hook)."""
+        if self._surface is None:
+            self._surface = default_surface()
+        if not getattr(self._surface, "live", True):  # a script: only the final state is shown
+            return
         since = self._clock() - self._last_draw
         ranks_due = self._activity_due and since >= max(self._interval, RANK_TABLE_INTERVAL_S)
         if (self._dirty and since >= self._interval) or ranks_due:

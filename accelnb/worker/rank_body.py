@@ -199,14 +199,14 @@ def start_flusher() -> threading.Event:
 
     def flush_forever() -> None:
         while not stop.wait(FLUSH_INTERVAL_S):
-            flush_streams_and_metrics()
+            flush_streams_and_metrics(periodic=True)
 
     threading.Thread(target=flush_forever, name="accelnb-flush", daemon=True).start()
     return stop
 
 
-def flush_streams_and_metrics() -> None:
-    report.flush()
+def flush_streams_and_metrics(periodic: bool = False) -> None:
+    report.flush(periodic)
     for stream in (sys.stdout, sys.stderr):
         try:
             stream.flush()

@@ -99,9 +99,10 @@ def report(metrics: Mapping[str, Any] | None = None, /, *, step: int | None = No
     _pending.append((step, _now(), scalars))
 
 
-def flush() -> None:
+def flush(periodic: bool = False) -> None:
     """Send what was reported since the last flush; returns once it is sent, including what
-    another thread's flush had already taken (the worker's flusher thread calls this too)."""
+    another thread's flush had already taken (the worker's flusher thread calls this too, with
+    ``periodic``: then the steps' window goes only every ``step_timing.WINDOW_INTERVAL_S``)."""
     if _writer is None:
         return
     # The flusher thread and the worker's end-of-call (or SIGTERM) flush may race: one drains at
@@ -111,7 +112,7 @@ def flush() -> None:
     # everything went, would send its result and exit with the batch unsent (a failed attempt's
     # metrics came back empty, once in a full test run).
     with _flush_lock:
-        steps = step_timing.take_window(_rank)
+        steps = step_timing.take_window(_rank, step_timing.WINDOW_INTERVAL_S if periodic else 0.0)
         if steps is not None:
             _writer.send(steps)
         bars = _changed_bars() if _bars else []

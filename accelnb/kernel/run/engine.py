@@ -92,6 +92,8 @@ class MetricRoute:
         run = run_state.current_run()
         if run is None or (now - self._published < PROGRESS_PUBLISH_INTERVAL_S and not final):
             return
+        if not run_state.run_listener_count():  # no panel to tell (a script): leave the figures be
+            return
         if final and not self.activity.counting:
             return
         self._published = now
