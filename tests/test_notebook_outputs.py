@@ -86,3 +86,13 @@ def test_stored_outputs_name_no_path_of_this_machine(path: Path) -> None:
 
 def test_there_are_notebooks_to_check() -> None:
     assert NOTEBOOKS, "no notebooks/*.ipynb found: the test above checked nothing"
+
+
+def test_nbval_reads_every_rule_of_the_sanitize_file() -> None:
+    # nbval reads "regex: …" then "replace: …" with the space after the colon even for an empty
+    # replacement: a rule written "replace:" was silently dropped (the frozen-frames flake).
+    from nbval.plugin import get_sanitize_patterns
+
+    text = (Path(__file__).resolve().parents[1] / "notebooks" / "sanitize.cfg").read_text()
+    sections = [line for line in text.splitlines() if line.startswith("[")]
+    assert len(get_sanitize_patterns(text)) == len(sections), sections
