@@ -4,9 +4,11 @@
     loss = notebook_launcher(train, args=(1e-3,), gpus="0,1")     # or num_processes=2 on CPU
 
 or ``%load_ext accelnb`` and a ``%%distributed --gpus 0,1`` cell; ``Session.start(...)`` keeps
-workers (and their variables) between calls; ``doctor()`` checks the machine before a launch,
+workers (and their variables) between calls; ``sweep(fn, configs)`` runs one trial per config
+side by side, each on its own GPUs; ``doctor()`` checks the machine before a launch,
 ``stacks()`` shows every rank's stack while it runs; ``max_restarts=N`` restarts every rank when one
-fails (the function reads ``restart_count()``), ``log_dir=`` writes TensorBoard logs of
+fails (the function reads ``restart_count()``), ``stop_requested()`` turns Stop into a save
+and a clean end, ``log_dir=`` writes TensorBoard logs of
 ``report()``. Every launch option is described once, in
 :class:`accelnb.options.LaunchOptions`. Importing accelnb has no side effects: no NVML, no CUDA,
 no threads, no processes until the first launch.
@@ -44,10 +46,13 @@ if TYPE_CHECKING:  # what each public name is, for type checkers and editors; im
     from accelnb.launcher import last_result, launch, notebook_launcher, plan
     from accelnb.other_launchers import spawn, torchrun
     from accelnb.session import Session
+    from accelnb.sweep import Trial, Trials, sweep
     from accelnb.worker.accelerate_tracker import AccelerateTracker
     from accelnb.worker.progress import progress
     from accelnb.worker.report import report
     from accelnb.worker.restarts import restart_count
+    from accelnb.worker.stopping.agreement import stop_requested
+    from accelnb.worker.stopping.library_callbacks import LightningSaveOnStop, TrainerSaveOnStop
 
 # Every public name and the module that defines it. Nothing is imported with ``accelnb``: a rank
 # imports ``accelnb.worker.*``, which runs this file first, and must not load the kernel's 30-odd
@@ -92,10 +97,16 @@ _DEFINED_IN: dict[str, str] = {
     "torchrun": "accelnb.other_launchers",
     "plan": "accelnb.launcher",
     "Session": "accelnb.session",
+    "sweep": "accelnb.sweep",
+    "Trial": "accelnb.sweep",
+    "Trials": "accelnb.sweep",
     "AccelerateTracker": "accelnb.worker.accelerate_tracker",
     "progress": "accelnb.worker.progress",
     "report": "accelnb.worker.report",
     "restart_count": "accelnb.worker.restarts",
+    "stop_requested": "accelnb.worker.stopping.agreement",
+    "TrainerSaveOnStop": "accelnb.worker.stopping.library_callbacks",
+    "LightningSaveOnStop": "accelnb.worker.stopping.library_callbacks",
     "Panel": "accelnb.notebook.panel",  # pulls in ipywidgets
 }
 
@@ -115,6 +126,7 @@ __all__ = [
     "LaunchPlan",
     "LaunchResult",
     "LaunchTimeout",
+    "LightningSaveOnStop",
     "MetricHistory",
     "Panel",
     "PortInUseError",
@@ -126,6 +138,9 @@ __all__ = [
     "ScriptExited",
     "Selection",
     "Session",
+    "TrainerSaveOnStop",
+    "Trial",
+    "Trials",
     "UnpicklableError",
     "WorkerStartError",
     "current_selection",
@@ -142,6 +157,8 @@ __all__ = [
     "set_selection",
     "spawn",
     "stacks",
+    "stop_requested",
+    "sweep",
     "synthetic_inventory",
     "torchrun",
 ]

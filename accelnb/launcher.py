@@ -47,6 +47,7 @@ from accelnb.kernel.run.call_settings import CallSettings
 from accelnb.kernel.run.engine import AttemptSink, MetricRoute, MetricsView, last_result, start_workers
 from accelnb.kernel.run.launch_result import LaunchResult
 from accelnb.kernel.run.rank_group import RankGroup
+from accelnb.kernel.run.sigterm import sigterm_as_stop
 from accelnb.kernel.run.supervisor import WorkerGroup
 from accelnb.options import (
     LAUNCH_OPTIONS,
@@ -142,7 +143,8 @@ def launch_with(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
     ranks_here = None if local_plan is None else len(local_plan.ranks)
     with payload_delivery(payload, local_ranks=ranks_here) as delivery:
         start = group_starter(settled, persistent=False, helpers=delivery.helpers, the_plan=local_plan)
-        with metric_route(options, sinks) as route:  # a log_dir= that cannot be written fails here, before start
+        # A log_dir= that cannot be written fails here, before start; a SIGTERM is a Stop press from here on.
+        with metric_route(options, sinks) as route, sigterm_as_stop():
             return _run_attempts(start, delivery.payload, options, route)
 
 

@@ -68,7 +68,7 @@ from accelnb.kernel.planning.ports import check_port
 from accelnb.kernel.planning.rank_environment import DEVICE_ENV, RankOptions
 from accelnb.kernel.planning.rank_plan import GpuSpec
 from accelnb.kernel.planning.selection import current_selection
-from accelnb.kernel.run.call_settings import DEFAULT_STALL_TIMEOUT_S, CollectMode, OutputMode
+from accelnb.kernel.run.call_settings import DEFAULT_STALL_TIMEOUT_S, DEFAULT_STOP_GRACE_S, CollectMode, OutputMode
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -268,6 +268,11 @@ class LaunchOptions:
         "the cell shows every rank's Python stack and what each waits in, once; the run goes on. "
         "None turns it off.",
         "call", flag="--stall-timeout", parse=_seconds_or_off, metavar="SECONDS", check=_positive_seconds_or_none))
+    stop_grace: float | None = field(default=DEFAULT_STOP_GRACE_S, metadata=option(
+        "seconds the ranks get to answer a Stop when the code checks accelnb.stop_requested() (the first "
+        "press asks them to stop at their next check, so they can save); past this, or on a second press, "
+        "they are stopped at once. None: as long as they take.",
+        "call", flag="--stop-grace", parse=_seconds_or_off, metavar="SECONDS", check=_positive_seconds_or_none))
 
     # ── session: a call of a running session only ──────────────────────────────────────────
     ranks: Sequence[int] | None = field(default=None, metadata=option(
@@ -503,6 +508,7 @@ class CallKeywords(TypedDict, total=False):
     collect: CollectMode
     log_dir: str | os.PathLike[str] | None
     stall_timeout: float | None
+    stop_grace: float | None
 
 
 class SessionCallKeywords(CallKeywords, total=False):

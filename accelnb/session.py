@@ -40,6 +40,7 @@ from accelnb.kernel.run.call_settings import CallSettings
 from accelnb.kernel.run.engine import run_on_group
 from accelnb.kernel.run.launch_result import LaunchResult
 from accelnb.kernel.run.rank_group import RankGroup
+from accelnb.kernel.run.sigterm import sigterm_as_stop
 from accelnb.kernel.run.supervisor import WorkerGroup
 from accelnb.kernel.stacks.live import DEFAULT_WAIT_S, StackDump
 from accelnb.launcher import group_starter, metric_route
@@ -138,7 +139,7 @@ class Session:
             self._check_ranks(call.ranks)
         payload = pack_call(function, args, kwargs or {})
         try:
-            with metric_route(call) as route:
+            with sigterm_as_stop(), metric_route(call) as route:
                 self._activity = route.activity  # what status() shows, live during the call
                 return run_on_group(self._group, payload, call.view(CallSettings), metrics=route,
                                     chosen_ranks=call.ranks)

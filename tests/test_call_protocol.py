@@ -6,8 +6,11 @@ process or starting Ray: the fake ranks answer when pumped, as the test scripted
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from accelnb.errors import RankFailure
@@ -30,6 +33,9 @@ class FakeRanks:
     progress_until: float = 0.0  # monotonic time until which every pump counts as progress
     progressed_at: float = 0.0
     stalls_shown: list[float] = field(default_factory=list)
+    stop_requests: int = 0  # StopRequests "sent" to the ranks
+    requests_shown: list[str] = field(default_factory=list)
+    on_pump: list[Callable[[CallAnswers], None]] = field(default_factory=list)  # one scripted act per pump
 
     def port(self) -> CallRanks:
         return CallRanks(
@@ -37,10 +43,17 @@ class FakeRanks:
             usable=lambda: self.alive == [0, 1], helper_death=lambda: None, pump=self.pump,
             between_pumps=lambda answers: self.prompt_seconds, interrupt=self.interrupted.append, stop=self.stop,
             stacks_at_timeout=lambda: {0: "stack 0", 1: "stack 1"}, progress_at=lambda: self.progressed_at,
-            show_stall=self.stalls_shown.append)
+            show_stall=self.stalls_shown.append, request_stop=self.request_stop,
+            show_request=self.requests_shown.append)
+
+    def request_stop(self, answers: CallAnswers) -> bool:
+        self.stop_requests += 1
+        return True
 
     def pump(self, timeout: float, answers: CallAnswers) -> None:
         time.sleep(timeout)  # as a real pump waits on its channels
+        if self.on_pump:
+            self.on_pump.pop(0)(answers)
         if time.monotonic() < self.progress_until:
             self.progressed_at = time.monotonic()
         for rank, value in self.answers_on_pump.items():
@@ -164,3 +177,97 @@ def test_without_stall_timeout_nothing_is_shown() -> None:
     protocol = CallProtocol(ranks.port())
     assert protocol.wait(protocol.begin(None), 0.3, None) == "timed_out"
     assert ranks.stalls_shown == []
+
+
+# ── a Stop the code answers (stop_requested()) ─────────────────────────────────────────────
+def _checks(answers: CallAnswers) -> None:
+    answers.checks_stop = True  # as a rank's ChecksForStop event sets it
+
+
+def _nothing(answers: CallAnswers) -> None:
+    pass
+
+
+def _answer(answers: CallAnswers) -> None:
+    answers.values.update({0: b"saved", 1: b"saved"})
+
+
+def _press_stop_button(answers: CallAnswers) -> None:
+    os.kill(os.getpid(), signal.SIGINT)  # the kernel's stop button; the handler runs before the next line
+
+
+def test_a_panel_stop_while_the_code_checks_is_a_request_the_ranks_answer() -> None:
+    stop = threading.Event()
+    ranks = FakeRanks(on_pump=[_checks, lambda answers: stop.set(), _nothing, _answer])
+    protocol = CallProtocol(ranks.port())
+    answers = protocol.begin(None)
+    assert protocol.wait(answers, None, stop, stop_grace=30.0, asked_by=lambda: "a panel's Stop") == "answered"
+    outcome = protocol.conclude(answers.outcome("answered", None), answers)
+    assert (ranks.stop_requests, ranks.requests_shown, ranks.stops) == (1, ["a panel's Stop"], [])
+    assert outcome.stop_asked_by == "a panel's Stop" and outcome.stop_seconds is not None
+    assert outcome.values == {0: b"saved", 1: b"saved"}
+
+
+def test_a_stop_for_code_that_does_not_check_stops_at_once() -> None:
+    stop = threading.Event()
+    ranks = FakeRanks(on_pump=[lambda answers: stop.set()])
+    protocol = CallProtocol(ranks.port())
+    answers = protocol.begin(None)
+    assert protocol.wait(answers, None, stop, stop_grace=30.0) == "stop_requested"
+    assert ranks.stop_requests == 0 and answers.outcome("interrupted", None).stop_asked_by is None
+
+
+def test_a_second_press_stops_now() -> None:
+    stop = threading.Event()
+    ranks = FakeRanks(on_pump=[_checks, lambda answers: stop.set(), _nothing, lambda answers: stop.set()])
+    protocol = CallProtocol(ranks.port())
+    assert protocol.wait(protocol.begin(None), None, stop, stop_grace=30.0) == "stop_requested"
+    assert ranks.stop_requests == 1
+
+
+def test_ranks_that_do_not_answer_within_the_grace_are_stopped() -> None:
+    stop = threading.Event()
+    ranks = FakeRanks(on_pump=[_checks, lambda answers: stop.set()])
+    protocol = CallProtocol(ranks.port())
+    started = time.monotonic()
+    assert protocol.wait(protocol.begin(None), None, stop, stop_grace=0.3) == "stop_requested"
+    assert 0.3 <= time.monotonic() - started < 5.0
+    assert ranks.stop_requests == 1
+
+
+def test_the_stop_button_is_a_request_first_and_a_keyboard_interrupt_second() -> None:
+    ranks = FakeRanks(on_pump=[_checks, _press_stop_button, _nothing, _press_stop_button])
+    protocol = CallProtocol(ranks.port())
+    answers = protocol.begin(None)
+    before = signal.getsignal(signal.SIGINT)
+    try:
+        protocol.wait(answers, None, threading.Event(), stop_grace=30.0)
+        raise AssertionError("the second press did not interrupt")
+    except KeyboardInterrupt:
+        pass
+    assert (ranks.stop_requests, ranks.requests_shown) == (1, ["the stop button"])
+    assert signal.getsignal(signal.SIGINT) is before  # the kernel's handler is back
+
+
+def test_the_stop_button_for_code_that_does_not_check_interrupts_at_once() -> None:
+    ranks = FakeRanks(on_pump=[_press_stop_button])
+    protocol = CallProtocol(ranks.port())
+    try:
+        protocol.wait(protocol.begin(None), None, threading.Event(), stop_grace=30.0)
+        raise AssertionError("the press did not interrupt")
+    except KeyboardInterrupt:
+        pass
+    assert ranks.stop_requests == 0
+
+
+def test_timeout_while_the_code_checks_is_a_request_and_a_timeout_after_the_grace() -> None:
+    ranks = FakeRanks(on_pump=[_checks])
+    protocol = CallProtocol(ranks.port())
+    answers = protocol.begin(None)
+    assert protocol.wait(answers, 0.1, None, stop_grace=0.2) == "timed_out"
+    assert ranks.requests_shown == ["timeout=0.1 s passed"]
+    ranks = FakeRanks(on_pump=[_checks, *[_nothing] * 3, _answer])
+    protocol = CallProtocol(ranks.port())
+    answers = protocol.begin(None)
+    assert protocol.wait(answers, 0.1, None, stop_grace=30.0) == "answered"
+    assert answers.outcome("answered", 0.1).stop_asked_by == "timeout=0.1 s passed"

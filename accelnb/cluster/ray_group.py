@@ -88,7 +88,9 @@ class RayRankGroup:
             usable=lambda: self.usable, helper_death=lambda: None, pump=self._pump,
             between_pumps=_run_wait_hooks, interrupt=lambda rank: self._actors[rank].interrupt.remote(),
             stop=self._stop_for, stacks_at_timeout=lambda: self.collect_stacks(STACKS_WAIT_S),
-            progress_at=lambda: self.output.progress_at, show_stall=self._show_stall))
+            progress_at=lambda: self.output.progress_at, show_stall=self._show_stall,
+            # A Ray rank hears no stop request (no inbox): a Stop ends its ranks at once, as before.
+            request_stop=lambda answers: False, show_request=lambda by: None))
 
     @property
     def usable(self) -> bool:
@@ -103,7 +105,8 @@ class RayRankGroup:
 
     # ── a call ──────────────────────────────────────────────────────────────────────────────
     def call(self, payload: Packed, value_ranks: set[int], timeout: float | None,
-             ranks: frozenset[int] | None = None, *, stall_timeout: float | None = None) -> CallOutcome:
+             ranks: frozenset[int] | None = None, *, stall_timeout: float | None = None,
+             stop_grace: float | None = None) -> CallOutcome:
         """Run one call on every rank (or only on ``ranks``, as the local engine does); waiting
         and ending it is the call protocol's (``kernel/run/group/call_protocol.py``)."""
         with self._driving:

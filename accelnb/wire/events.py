@@ -1,11 +1,11 @@
 """The small vocabulary workers and the kernel speak, one dataclass per message.
 
 Kernel → worker (the worker's inbox socket): :class:`RunCall`, :class:`Shutdown`,
-:class:`InputReply`.
+:class:`InputReply`, :class:`StopRequest`.
 Worker → kernel (the worker's events socket): :class:`Joined`, :class:`CallResult`,
 :class:`CallError`, :class:`MetricBatch` (and its subclass :class:`ProgressBatch`),
 :class:`InputRequest` (a rank's ``input()`` or debugger prompt, answered through the kernel's own
-``input()``: Jupyter's input box, or the terminal).
+``input()``: Jupyter's input box, or the terminal), :class:`StepWindow`, :class:`ChecksForStop`.
 Output does not travel as events: it is the worker's real stdout/stderr file descriptors. A rank
 on another machine (a Ray actor, ``worker/ray_rank.py``) has no pipe to the kernel, so there its
 fds 1 and 2 are read by a thread of its own and sent as :class:`OutputChunk` events.
@@ -162,3 +162,22 @@ class InputReply:
     request_id: int
     line: str | None
     eof_reason: str = ""
+
+
+@dataclass(frozen=True)
+class StopRequest:
+    """Stop the call at your next ``stop_requested()`` check: the user pressed Stop (or the
+    kernel got SIGTERM, or ``timeout=`` passed) while the call's code checks for it.
+
+    A request for another call than the running one (it crossed the call's end) is dropped."""
+
+    call_id: int
+
+
+@dataclass(frozen=True)
+class ChecksForStop:
+    """The call's code called ``stop_requested()`` on this rank (sent once per call): from now on
+    a Stop press is a request the code answers, not a kill (``worker/stopping/``)."""
+
+    rank: int
+    call_id: int

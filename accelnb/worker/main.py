@@ -36,7 +36,7 @@ from types import FrameType
 from typing import Any
 
 from accelnb.wire import channel
-from accelnb.wire.events import InputReply, Joined, RunCall, Shutdown
+from accelnb.wire.events import InputReply, Joined, RunCall, Shutdown, StopRequest
 from accelnb.wire.spec import WorkerSpec
 from accelnb.worker import library_progress, rank_debugger, rank_input, report, restarts, step_timing
 from accelnb.worker.other_launchers import launches_inside, plain_process, process_group
@@ -49,6 +49,8 @@ from accelnb.worker.rank_body import (
     run_call,
     start_flusher,
 )
+from accelnb.worker.stopping import accelerate_trigger
+from accelnb.worker.stopping import request as stop_request
 
 SIGTERM_FLUSH_LIMIT_S = 1.0
 
@@ -126,6 +128,7 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     rank_input.attach(events, spec.rank, flush=flush_streams_and_metrics)  # input() asks the notebook
     rank_debugger.attach()  # breakpoint() opens a (Pdb) prompt there
     restarts.attach(spec.restart_count)
+    stop_request.attach(events, spec.rank)  # a Stop press reaches code that checks stop_requested()
     _start_inbox_reader(inbox_fd, commands)
     flusher = start_flusher()
 
@@ -138,6 +141,7 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     launches_inside.install(spec)  # mp.spawn & co. run in place, or refuse
     step_timing.install()  # steps and where their time goes, for the straggler watch
     library_progress.install()  # rank 0's tqdm and rich bars become the cell's progress bar
+    accelerate_trigger.install()  # Accelerate's check_trigger() answers a Stop press too
     return terminating, flusher
 
 
@@ -257,6 +261,8 @@ def _start_inbox_reader(inbox_fd: int, commands: queue.Queue[Any]) -> None:
                 os.killpg(0, signal.SIGKILL)
             if isinstance(message, InputReply):
                 rank_input.deliver(message)  # to the prompt waiting for it, never to the call loop
+            elif isinstance(message, StopRequest):
+                stop_request.deliver(message)  # read by the code's next stop_requested(), on every rank alike
             else:
                 commands.put(message)
 

@@ -39,6 +39,8 @@ from accelnb.wire.events import CallError, CallResult, RunCall
 from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_kernel
 from accelnb.worker import rank_debugger, report
 from accelnb.worker.other_launchers import process_group
+from accelnb.worker.stopping import agreement as stop_agreement
+from accelnb.worker.stopping import request as stop_request
 
 # accelnb/ with a trailing separator: frames under it are ours, whichever subpackage.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -73,14 +75,19 @@ def run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
     value = None
     _register_sources(call.sources)
     process_group.ensure_default_group()  # a session's earlier call may have destroyed it
+    stop_request.begin_call(call.call_id)
+    stop_agreement.begin_call()
     try:
         # Big arguments are rebuilt over the shared pages the kernel wrote once for all ranks,
         # mapped copy-on-write: this rank may write into them without affecting anyone else.
         fn, args, kwargs = buffers.load(call.payload)
+        returned = False
         try:
             value = fn(*args, **kwargs)
+            returned = True
         finally:
             rank_debugger.leave_debugger()
+            stop_agreement.end_call(returned)
     except BaseException as error:
         if not (isinstance(error, SystemExit) and error.code in (0, None)):
             flush_streams_and_metrics()

@@ -58,3 +58,8 @@ class CallOutcome:
     stop_source: StopSource = "interrupt"
     helper_exit: HelperExit | None = None
     ranks: list[int] | None = None  # the ranks the call ran on; None: every rank
+    # A Stop the code was asked to answer (kernel/run/group/stop_presses.py): what pressed it, and
+    # the seconds from the request to the call's end. With ending "answered", the ranks stopped
+    # where the code chose, and returned.
+    stop_asked_by: str | None = None
+    stop_seconds: float | None = None

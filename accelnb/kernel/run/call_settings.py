@@ -19,6 +19,8 @@ CollectMode = Literal["rank0", "all"]
 # No rank made progress (a step, a report, a line of output) for this long: the cell shows every
 # rank's stack, once, and the run goes on (stall_timeout=).
 DEFAULT_STALL_TIMEOUT_S = 600.0
+# How long ranks asked to stop at their next stop_requested() check get, before they are stopped.
+DEFAULT_STOP_GRACE_S = 120.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -29,3 +31,4 @@ class CallSettings:
     timeout: float | None = None
     output: OutputMode = "rank0"
     stall_timeout: float | None = DEFAULT_STALL_TIMEOUT_S
+    stop_grace: float | None = DEFAULT_STOP_GRACE_S

@@ -186,17 +186,20 @@ def run_on_group(group: RankGroup, payload: Packed, settings: CallSettings, *, m
     started_at = time.time()
     global _last_result
 
-    def result(values: dict[int, Any], error: BaseException | None) -> LaunchResult:
+    def result(values: dict[int, Any], error: BaseException | None, stopped_by: str | None = None) -> LaunchResult:
         return LaunchResult(values=values, plan=group.plan, seconds=time.perf_counter() - started,
                             metrics=history, ranks=route.activity.summary(),
                             outputs={rank: group.output.text_since(rank, marks[rank]) for rank in ranks},
-                            attempts=[Attempt.ended_by(route.attempt, started_at, error)], value_rank=first)
+                            attempts=[Attempt.ended_by(route.attempt, started_at, error,
+                                                       stopped=stopped_by is not None)],
+                            value_rank=first, stopped_by=stopped_by)
 
     error: BaseException | None = None
     try:
         outcome = group.call(payload, {first} if collect == "rank0" else set(chosen or ranks),
                              timeout if time_left is None else time_left,
-                             None if chosen is None else frozenset(chosen), stall_timeout=settings.stall_timeout)
+                             None if chosen is None else frozenset(chosen), stall_timeout=settings.stall_timeout,
+                             stop_grace=settings.stop_grace)
         outcome.timeout = timeout  # the message names what the user set, which covers every attempt
         error = exception_for(outcome, show_output_of=set(group.output.live_ranks), persistent=group.persistent)
         if error is None and not group.persistent:
@@ -219,8 +222,16 @@ def run_on_group(group: RankGroup, payload: Packed, settings: CallSettings, *, m
         # The supervisor's frames would fill the cell and explain nothing; the message does.
         raise error.with_traceback(None) from None
     values = {rank: loads_in_kernel(data) for rank, data in outcome.values.items() if data is not None}
-    _last_result = result(values, None)
+    if outcome.stop_asked_by is not None:  # the code saved and returned: a stopped run, not an error
+        notebook_sink("stderr", stopped_message(outcome.stop_asked_by, outcome.stop_seconds))
+    _last_result = result(values, None, outcome.stop_asked_by)
     return _last_result
+
+
+def stopped_message(asked_by: str, seconds: float | None) -> str:
+    """The cell's last line of a run whose ranks stopped where the code chose, on a Stop."""
+    after = "" if seconds is None else f" {seconds:.1f} s after the request"
+    return f"accelnb: stopped as asked ({asked_by}): every rank returned{after}.\n"
 
 
 def remember(result: LaunchResult) -> None:

@@ -13,7 +13,8 @@ from accelnb.kernel.display.metrics_history import MetricHistory
 from accelnb.kernel.display.rank_activity import RankSummary
 from accelnb.kernel.planning.rank_plan import LaunchPlan
 
-AttemptEnding = Literal["succeeded", "failed", "timed_out", "interrupted"]
+# stopped: a Stop press the code answered (stop_requested()): every rank returned, where it chose.
+AttemptEnding = Literal["succeeded", "stopped", "failed", "timed_out", "interrupted"]
 
 
 @dataclass(frozen=True)
@@ -32,17 +33,18 @@ class Attempt:
     failures: Sequence[RankFailure] = ()
 
     @classmethod
-    def ended_by(cls, index: int, started: float, error: BaseException | None) -> Attempt:
+    def ended_by(cls, index: int, started: float, error: BaseException | None, *, stopped: bool = False) -> Attempt:
         """The record of an attempt that began at ``started`` and ended now, by ``error`` (None:
-        every rank answered)."""
+        every rank answered; ``stopped``: on a Stop the code answered)."""
         failures: Sequence[RankFailure] = tuple(getattr(error, "failures", ()))
-        ending: AttemptEnding = ("succeeded" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt)
+        ending: AttemptEnding = ("stopped" if error is None and stopped else
+                                 "succeeded" if error is None else "interrupted" if isinstance(error, KeyboardInterrupt)
                                  else "timed_out" if isinstance(error, TimeoutError) else "failed")
         return cls(index, started, time.time(), ending, failures)
 
     @property
     def ok(self) -> bool:
-        return self.ending == "succeeded"
+        return self.ending in ("succeeded", "stopped")
 
     @property
     def seconds(self) -> float:
@@ -61,7 +63,9 @@ class LaunchResult:
     ``ranks=``); ``values[r]`` is rank r's (collected for every rank by
     ``launch``, for rank 0 only by ``notebook_launcher``). With restarts, the values and outputs
     are the last attempt's, ``metrics`` spans every attempt (each record says which), ``seconds``
-    is the whole launch, and ``attempts`` records each attempt in order.
+    is the whole launch, and ``attempts`` records each attempt in order. A run stopped on a Stop
+    that the code answered (``stop_requested()``) has the values the ranks returned and
+    ``stopped_by``.
     """
 
     values: dict[int, Any]
@@ -74,6 +78,14 @@ class LaunchResult:
     # Each rank's progress as the live view showed it: steps, every window's step, data and forward
     # times, GPU samples, peak host memory (``kernel/display/rank_activity.py``).
     ranks: dict[int, RankSummary] = field(default_factory=dict, repr=False)
+    # What asked the run to stop, when the code answered a Stop (``stop_requested()``) by returning:
+    # "the stop button", "a panel's Stop", "SIGTERM", "timeout=60 s passed". None: it ran to its end.
+    stopped_by: str | None = None
+
+    @property
+    def stopped(self) -> bool:
+        """Whether the ranks returned because a Stop asked them to (``stop_requested()``)."""
+        return self.stopped_by is not None
 
     @property
     def value(self) -> Any:

@@ -22,7 +22,8 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -61,6 +62,7 @@ class RunState:
     started_at: float = field(default_factory=time.time)
     finished: bool = False
     stop_requested: threading.Event = field(default_factory=threading.Event, repr=False)
+    stop_asked_by: str = "a panel's Stop"  # what set stop_requested, for the cell's message
     # Every live rank's current stacks without stopping anything; safe from any thread (the
     # supervisor's WorkerGroup.collect_stacks). None for a run that cannot be asked.
     collect_stacks: Callable[[float], dict[int, str]] | None = field(default=None, repr=False)
@@ -102,11 +104,24 @@ def run_listener_count() -> int:
     return len(_run_listeners)
 
 
-def request_stop() -> bool:
-    """Ask the run in progress to stop. Returns False when nothing is running."""
+_stop_listeners = Listeners[[]]("stop listener")
+
+
+def on_stop_request(listener: Callable[[], object]) -> Callable[[], None]:
+    """Have ``listener`` called by every :func:`request_stop` (a sweep, whose several runs one Stop
+    ends); returns a function that unsubscribes it."""
+    return _stop_listeners.add(listener)
+
+
+def request_stop(by: str = "a panel's Stop") -> bool:
+    """Ask the run in progress (and whatever listens, see :func:`on_stop_request`) to stop;
+    ``by`` says what asked, in the cell's message. Returns False when nothing is running."""
+    heard = len(_stop_listeners) > 0
+    _stop_listeners.notify()
     run = _current_run
     if run is None or run.finished:
-        return False
+        return heard
+    run.stop_asked_by = by
     run.stop_requested.set()
     return True
 
@@ -158,8 +173,26 @@ def add_wait_hook(hook: WaitHook) -> Callable[[], None]:
     return _wait_hooks.add(hook)
 
 
+_hookless = threading.local()
+
+
+@contextmanager
+def wait_hooks_run_elsewhere() -> Iterator[None]:
+    """In this thread, :func:`run_wait_hooks` runs nothing: a sweep's trial threads each wait on
+    a launch, while the thread that started the sweep runs the hooks (a Stop button's comm
+    messages must be read by the kernel's main thread, and a round a trial thread took would be
+    a round the main thread lost to the rate limit)."""
+    _hookless.active = True
+    try:
+        yield
+    finally:
+        _hookless.active = False
+
+
 def run_wait_hooks() -> bool:
     """The supervisor's wait loop calls this on every wake-up; hooks run at the limited rate."""
+    if getattr(_hookless, "active", False):
+        return False
     return _wait_hooks.run()
 
 

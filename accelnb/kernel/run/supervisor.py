@@ -28,7 +28,8 @@ Endings, all of which leave no process and no bound port behind:
 - a rank raised or died: all others get SIGTERM, then SIGKILL after one shared grace deadline;
 - ``timeout=`` expired: SIGUSR1 makes faulthandler print every rank's stack, then the same stop;
 - the user interrupted (Ctrl-C, a panel's Stop): the same stop, faster (a persistent session
-  first tries to interrupt just the cell);
+  first tries to interrupt just the cell); but when the call's code checks ``stop_requested()``,
+  the first press asks the ranks to stop at their next check, and they end as they choose;
 - accelnb's helper process died: its workers died with it (``PR_SET_PDEATHSIG``); their process
   groups are killed too, and the group waits until they are gone.
 
@@ -66,6 +67,7 @@ from accelnb.kernel.run.group.rank_inboxes import RankInboxes
 from accelnb.kernel.run.group.rank_phases import RankPhases
 from accelnb.kernel.run.group.rank_processes import RankProcess, RankProcesses
 from accelnb.kernel.run.group.stall_report import stall_report
+from accelnb.kernel.run.group.stop_presses import REQUEST_MESSAGE
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import InputReply, InputRequest, Joined
 from accelnb.wire.spec import WorkerSpec
@@ -110,7 +112,7 @@ class WorkerGroup:
             helper_death=lambda: self._helper_death, pump=self._pump, between_pumps=self._between_pumps,
             interrupt=lambda rank: self._processes.signal(rank, signal.SIGINT), stop=self._stop,
             stacks_at_timeout=self._stacks_at_timeout, progress_at=lambda: self.output.progress_at,
-            show_stall=self._show_stall))
+            show_stall=self._show_stall, request_stop=self._request_stop, show_request=self._show_request))
         self._prompts = PromptAnswers(output, alive=self._processes.is_alive, reply=self._send_reply)
         self._stack_requests = LiveStackRequests(output, self._processes, self._driving, closed=lambda: self.closed,
                                                  pump=lambda timeout: self._pump(timeout, self._calls.between_calls))
@@ -166,7 +168,8 @@ class WorkerGroup:
 
     # ── running a call ──────────────────────────────────────────────────────────────────────
     def call(self, payload: Packed, value_ranks: set[int], timeout: float | None,
-             ranks: frozenset[int] | None = None, *, stall_timeout: float | None = None) -> CallOutcome:
+             ranks: frozenset[int] | None = None, *, stall_timeout: float | None = None,
+             stop_grace: float | None = None) -> CallOutcome:
         """Run one packed call on every rank (or only on ``ranks``: the others stay idle, their
         state untouched) and report how it ended.
 
@@ -176,10 +179,10 @@ class WorkerGroup:
         answered, even with an exception; otherwise every worker has been stopped.
         """
         with self._driving:
-            return self._call(payload, value_ranks, timeout, ranks, stall_timeout)
+            return self._call(payload, value_ranks, timeout, ranks, stall_timeout, stop_grace)
 
     def _call(self, payload: Packed, value_ranks: set[int], timeout: float | None,
-              ranks: frozenset[int] | None, stall_timeout: float | None) -> CallOutcome:
+              ranks: frozenset[int] | None, stall_timeout: float | None, stop_grace: float | None) -> CallOutcome:
         answers = self._calls.begin(ranks)
         self._inboxes.phase = "unsent"
         self.output.prompting_ranks.clear()
@@ -191,8 +194,9 @@ class WorkerGroup:
             if self._helper_death is None:
                 self._send_call(answers, payload, value_ranks)
             self._inboxes.phase = "running"
-            waited = self._calls.wait(answers, timeout, self.run.stop_requested if self.run is not None else None,
-                                      stall_timeout)
+            run = self.run
+            waited = self._calls.wait(answers, timeout, run.stop_requested if run is not None else None,
+                                      stall_timeout, stop_grace, asked_by=lambda: run.stop_asked_by if run else "")
             if waited == "stop_requested":
                 ending, source = "interrupted", "stop_request"
             else:
@@ -209,6 +213,16 @@ class WorkerGroup:
         inboxes = [channels.inbox for channels in self._channels.ranks if channels.inbox is not None
                    and self._processes.is_alive(channels.rank) and answers.runs_on(channels.rank)]
         self._inboxes.send_call(answers.call_id, payload, value_ranks, inboxes, every_rank=answers.ranks is None)
+
+    def _request_stop(self, answers: CallAnswers) -> bool:
+        assert answers.call_id is not None
+        inboxes = [channels.inbox for channels in self._channels.ranks if channels.inbox is not None
+                   and self._processes.is_alive(channels.rank) and answers.runs_on(channels.rank)]
+        return self._inboxes.send_stop_request(answers.call_id, inboxes)
+
+    def _show_request(self, by: str) -> None:
+        self.output.tick(force=True)  # what the ranks printed before comes first
+        notebook_sink("stderr", REQUEST_MESSAGE.format(by=by))
 
     def _between_pumps(self, answers: CallAnswers) -> float:
         """The wait loop's idle work: a rank's prompt first (the seconds at it come back), else

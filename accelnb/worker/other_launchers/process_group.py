@@ -118,6 +118,20 @@ def ensure_default_group() -> None:
         _make_accelnb_group(dist)
 
 
+def every_rank_arrives(name: str, world_size: int, timeout_s: float) -> None:
+    """Return once every rank of the launch called this with ``name`` (a store counter, no
+    collective); raise ``TimeoutError`` after ``timeout_s``. Outside a launch, return at once."""
+    if _launched is None:
+        return
+    arrived_key, all_key = f"accelnb/arrived/{name}", f"accelnb/all-arrived/{name}"
+    if _launched.store.add(arrived_key, 1) == world_size:
+        _launched.store.set(all_key, b"1")
+    try:
+        _launched.store.wait([all_key], timedelta(seconds=timeout_s))
+    except Exception as error:  # torch raises DistStoreError (a RuntimeError) on timeout
+        raise TimeoutError(f"{int(_launched.store.add(arrived_key, 0))} of {world_size} ranks arrived") from error
+
+
 def install(dist: Any) -> None:
     """Replace ``init_process_group`` in this rank by :func:`_init_process_group_in_a_launch`."""
     import torch.distributed.distributed_c10d as c10d

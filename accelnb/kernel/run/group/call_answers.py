@@ -8,6 +8,7 @@ socket, a Ray actor's events poll). :func:`record_event` handles the events ever
 - ``CallResult`` of this call: its value (phase ``done``, or ``running`` for a session's rank);
 - ``CallError`` of this call (or of the set-up, ``call_id`` None): a failure record;
 - ``MetricBatch``: to the group's metric sink;
+- ``ChecksForStop``: the call's code checks ``stop_requested()`` (a Stop press becomes a request);
 - ``StepWindow``: to the call's straggler watch, which names a rank holding the others back, in
   the cell, once (``kernel/run/group/straggler_watch.py``), and to the metric sink, whose live
   view shows every rank's progress.
@@ -31,9 +32,10 @@ from accelnb.kernel.display.output import OutputRouter, notebook_sink
 from accelnb.kernel.run.call_outcome import CallOutcome, CallPhase, Ending, StopSource
 from accelnb.kernel.run.failure_report import exception_failure
 from accelnb.kernel.run.group.rank_phases import RankPhases
+from accelnb.kernel.run.group.stop_presses import StopPresses
 from accelnb.kernel.run.group.straggler_watch import StragglerWatch
 from accelnb.wire.buffers import Packed
-from accelnb.wire.events import CallError, CallResult, Joined, MetricBatch, StepWindow
+from accelnb.wire.events import CallError, CallResult, ChecksForStop, Joined, MetricBatch, StepWindow
 
 MetricSink = Callable[[MetricBatch | StepWindow], None]
 
@@ -48,6 +50,8 @@ class CallAnswers:
     values: dict[int, Packed | None] = field(default_factory=dict)
     failures: list[RankFailure] = field(default_factory=list)
     stragglers: StragglerWatch = field(default_factory=lambda: StragglerWatch(world_size=2))
+    checks_stop: bool = False  # the call's code checks stop_requested(): a Stop press is a request
+    presses: StopPresses = field(default_factory=lambda: StopPresses(grace=None))
 
     def has_failed(self, rank: int) -> bool:
         return any(f.rank == rank for f in self.failures)
@@ -72,7 +76,9 @@ class CallAnswers:
         """The call's outcome so far; ending it (:mod:`~accelnb.kernel.run.group.call_protocol`)
         fills in what was stopped."""
         return CallOutcome(ending, self.values, self.failures, timeout=timeout, phase=phase,
-                           stop_source=stop_source, ranks=None if self.ranks is None else sorted(self.ranks))
+                           stop_source=stop_source, ranks=None if self.ranks is None else sorted(self.ranks),
+                           stop_asked_by=self.presses.asked_by,
+                           stop_seconds=self.presses.seconds_since_request())
 
 
 def record_event(answers: CallAnswers, rank: int, pid: int, event: Any, phases: RankPhases, output: OutputRouter,
@@ -87,6 +93,8 @@ def record_event(answers: CallAnswers, rank: int, pid: int, event: Any, phases: 
     elif isinstance(event, CallError) and (answers.call_id is None or event.call_id in (None, answers.call_id)):
         answers.failures.append(exception_failure(rank, pid, event, output.tail(rank)))
         phases.set(rank, "failed", event.type_name)
+    elif isinstance(event, ChecksForStop):
+        answers.checks_stop = answers.checks_stop or event.call_id == answers.call_id
     elif isinstance(event, StepWindow):
         output.mark_progress()
         answers.stragglers.add(event)

@@ -11,7 +11,10 @@ call per Ray actor) and hands the rest to its :class:`CallProtocol`: number the 
 - ``timeout=`` expired: every rank's stack is read, then every rank is stopped;
 - interrupted: a session first interrupts just the call on the ranks still running it (when the
   call reached them whole) and keeps them if all answer in time; otherwise every rank is stopped;
-- interrupted again while stopping: no more patience, stop at once.
+- interrupted again while stopping: no more patience, stop at once;
+- a Stop pressed while the call's code checks ``stop_requested()``: the ranks are asked to stop
+  at their next check, and the call ends as answered, if they do within ``stop_grace``
+  (``kernel/run/group/stop_presses.py``).
 
 What a stop is for each backend (SIGTERM, a grace, SIGKILL; ``ray.kill``) stays in the group: the
 protocol sees the ranks only through :class:`CallRanks`, a port each group fills with its own
@@ -37,6 +40,7 @@ from typing import Literal
 
 from accelnb.kernel.run.call_outcome import CallOutcome, HelperExit
 from accelnb.kernel.run.group.call_answers import CallAnswers
+from accelnb.kernel.run.group.stop_presses import PANEL_STOP, StopPresses
 from accelnb.kernel.run.group.straggler_watch import StragglerWatch
 
 ANSWER_WAIT_S = 1.0  # sessions: how long the other ranks get to answer after a failure
@@ -65,6 +69,8 @@ class CallRanks:
     stacks_at_timeout: Callable[[], dict[int, str]]  # every rank's Python stack, before stopping it
     progress_at: Callable[[], float]  # when a rank last made progress (monotonic): a step, a report, a line
     show_stall: Callable[[float], None]  # show every rank's stack in the cell, nothing stopped: s without progress
+    request_stop: Callable[[CallAnswers], bool]  # ask the call's ranks to stop at their next check; False: cannot
+    show_request: Callable[[str], None]  # tell the cell that a stop was requested, and by what
 
 
 class CallProtocol:
@@ -87,13 +93,26 @@ class CallProtocol:
         return answers
 
     def wait(self, answers: CallAnswers, timeout: float | None, stop_requested: threading.Event | None,
-             stall_timeout: float | None = None) -> WaitEnding:
+             stall_timeout: float | None = None, stop_grace: float | None = None,
+             asked_by: Callable[[], str] = lambda: PANEL_STOP) -> WaitEnding:
         """Pump until the call is decided: every rank answered, one failed, the deadline passed,
-        a Stop was requested, or the helper died. A ``KeyboardInterrupt`` propagates.
+        a Stop was pressed, or the helper died. A ``KeyboardInterrupt`` propagates.
+
+        A Stop press (``stop_requested``, the stop button, ``timeout=`` passing) while the call's
+        code checks ``stop_requested()`` is first a request (:mod:`~accelnb.kernel.run.group.stop_presses`):
+        the wait goes on until the ranks answer, a second press, or ``stop_grace`` seconds
+        (``asked_by()`` names a ``stop_requested`` press). ``answers.presses`` keeps what asked.
 
         ``stall_timeout``: once no rank made progress for that long, every rank's stack is shown
         (once per stall: progress again, and a later stall is shown too); the wait goes on.
         """
+        presses = answers.presses = StopPresses(stop_grace)
+        with presses.catching_interrupts(can_request=lambda: answers.checks_stop):
+            return self._wait(answers, timeout, stop_requested, stall_timeout, asked_by)
+
+    def _wait(self, answers: CallAnswers, timeout: float | None, stop_requested: threading.Event | None,
+              stall_timeout: float | None, asked_by: Callable[[], str]) -> WaitEnding:
+        presses = answers.presses
         started = time.monotonic()
         deadline = None if timeout is None else started + timeout
         stall_shown = False
@@ -105,11 +124,21 @@ class CallProtocol:
                 return "failed"
             if len(answers.values) == answers.expected(self._ranks.size()):
                 return "answered"
+            press = presses.take()
             if stop_requested is not None and stop_requested.is_set():
                 stop_requested.clear()
-                return "stop_requested"
+                press = asked_by()
             if deadline is not None and time.monotonic() > deadline:
-                return "timed_out"
+                if presses.requested or not answers.checks_stop:
+                    return "timed_out"
+                press, deadline = f"timeout={timeout:g} s passed", None
+            if press is not None:
+                if presses.requested or not (answers.checks_stop and self._ranks.request_stop(answers)):
+                    return "stop_requested"
+                presses.request_sent(press)
+                self._ranks.show_request(press)
+            if presses.grace_over():
+                return "timed_out" if (presses.asked_by or "").startswith("timeout=") else "stop_requested"
             if stall_timeout is not None:
                 quiet_for = time.monotonic() - max(started, self._ranks.progress_at())
                 if quiet_for < stall_timeout:

@@ -1,4 +1,5 @@
-"""What the kernel writes into the local ranks' inboxes: a call, a reply to a prompt, ``Shutdown``.
+"""What the kernel writes into the local ranks' inboxes: a call, a reply to a prompt, a stop request,
+``Shutdown``.
 
 A call is one frame for all ranks (its big buffers are written once, each rank maps them); a
 reply or ``Shutdown`` is one small frame for one rank. :class:`RankInboxes` also keeps how far the
@@ -24,7 +25,7 @@ from accelnb.kernel.run.call_outcome import CallPhase
 from accelnb.kernel.run.cell_sources import in_memory_sources
 from accelnb.wire.buffers import Packed
 from accelnb.wire.channel import encode, send_frame
-from accelnb.wire.events import InputReply, RunCall, Shutdown
+from accelnb.wire.events import InputReply, RunCall, Shutdown, StopRequest
 from accelnb.wire.held_interrupts import held_interrupts
 
 
@@ -66,6 +67,19 @@ class RankInboxes:
                 send_frame(inbox, frame)
             except OSError:
                 pass  # it died meanwhile; its exit report explains why
+
+    def send_stop_request(self, call_id: int, inboxes: list[socket.socket]) -> bool:
+        """Ask these ranks to stop ``call_id`` at their next check; False (nothing sent) when an
+        inbox holds half a frame."""
+        if self.half_written:
+            return False
+        with encode(StopRequest(call_id)) as frame, held_interrupts():  # whole, or not at all
+            for inbox in inboxes:
+                try:
+                    send_frame(inbox, frame)
+                except OSError:
+                    pass  # it died meanwhile; its exit report explains why
+        return True
 
     def send_shutdown(self, inboxes: list[socket.socket]) -> bool:
         """Ask these ranks to leave; False (nothing sent) when an inbox holds half a frame."""

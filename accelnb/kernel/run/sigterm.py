@@ -1,0 +1,51 @@
+"""A SIGTERM to the kernel while a launch runs: a Stop press, then the kernel's own ending.
+
+A pre-empted cloud machine, a batch scheduler and ``jupyter``'s own shutdown send SIGTERM, then
+SIGKILL some seconds later. Dying at once would lose the run; so while a launch runs in the main
+thread, SIGTERM is a Stop press by "SIGTERM" (``run_state.request_stop``): code that checks
+``accelnb.stop_requested()`` saves and returns, other code is stopped at once, every rank is gone
+either way. Then the handler that was there before is put back and the signal sent again, so the
+kernel (or script) ends as the sender meant. A second SIGTERM is a second press: stop now.
+
+A SIGTERM while no run is in progress (the ranks starting, a restart's delay) interrupts the
+launch like the stop button, which also leaves nothing behind.
+
+    >>> with sigterm_as_stop():                                       # doctest: +SKIP
+    ...     run_attempts(...)
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import FrameType
+
+from accelnb.kernel.run import run_state
+
+PRESSED_BY = "SIGTERM"
+
+
+@contextmanager
+def sigterm_as_stop() -> Iterator[None]:
+    """SIGTERM is a Stop press while the block runs, and is delivered again once it ended."""
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may set a handler; the signal keeps its meaning
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    received: list[int] = []
+
+    def on_sigterm(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        if not run_state.request_stop(by=PRESSED_BY):
+            raise KeyboardInterrupt  # no run to ask: stop the launch as the stop button would
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if received:
+            os.kill(os.getpid(), signal.SIGTERM)  # the kernel's own handling, now that no rank is left

@@ -1,0 +1,168 @@
+"""``stop_requested()``: the same answer on every rank at the same call number, cheap every step.
+
+Ranks hear the kernel's request at different points of their step (``request.py``), so a rank
+cannot act on what it heard alone: it would save a different step than the others, or leave them
+waiting in a collective it never enters. The ranks agree through an all-reduce (MAX) of what
+each heard, on a gloo group of accelnb's own (CPU tensors, whatever backend the default group
+has; made at the first check, so that code that never checks pays nothing).
+
+A collective every call would cost too much: on a loaded 2-core machine a gloo all-reduce of one
+number costs the caller 200-350 µs, 10-17 % of a 2 ms step. So the all-reduce runs only at some
+calls, and asynchronously: at each such call (a "check point") a rank waits for the all-reduce
+it started at the previous check point (long finished, in gloo's own thread) and starts the next.
+The check points are the same call numbers on every rank, because the all-reduce also carries
+each rank's proposal for the gap to the next one (enough calls for about
+:data:`CHECK_INTERVAL_S` of the rank's own pace) and every rank takes the same maximum. An
+answer of True at call *n* therefore comes from the all-reduce every rank started at the same
+earlier call: the same answer everywhere. A request is seen at most two gaps after it arrives,
+about 0.1 s. Between check points a call costs a counter increment.
+
+Once True, the answer stays True until the call ends. The group lives as long as the process
+(a session's next call reuses it), unless a call ends with an all-reduce that never finished
+(the code checked a different number of times on different ranks): then the next check says so.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from datetime import timedelta
+from typing import Any
+
+from accelnb.worker.other_launchers import process_group
+from accelnb.worker.stopping import request
+
+CHECK_INTERVAL_S = 0.05  # the ranks' pace decides how many calls that is
+MAX_CALLS_BETWEEN_CHECKS = 100_000
+GROUP_JOIN_TIMEOUT_S = 60.0  # a rank that never checks: say so instead of hanging
+END_OF_CALL_WAIT_S = 10.0  # the last all-reduce of a call: every rank started it, so it finishes
+
+
+class StopCheckMismatch(RuntimeError):
+    """The ranks did not all call ``stop_requested()`` the same way."""
+
+
+class _Checks:
+    """One call's agreement: where the check points fall, and the all-reduce in flight."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.next_check = 1
+        self.agreed = False
+        self.pending: tuple[Any, Any] | None = None  # (work, tensor) of the last check point
+        self.last_check: tuple[int, float] | None = None  # (call number, time) of the last check point
+
+
+_group: Any = None  # the gloo group, once made; None before the first check
+_world: Any = None  # the default group it was made from (a destroyed and remade one needs a new group)
+_groups_made = 0  # on every rank alike: names each group's arrival barrier
+_abandoned: list[Any] = []  # groups let go with an all-reduce in flight, kept from the garbage collector
+_poisoned = False  # a call ended with its last all-reduce unfinished
+_checks = _Checks()
+
+
+def stop_requested() -> bool:
+    """True once a stop was asked for (Stop pressed, the kernel got SIGTERM, ``timeout=`` passed):
+    save what you need and return. The same answer on every rank at the same call number, so
+    call it on every rank, once per step at the same point, e.g. right after ``optimizer.step()``::
+
+        for step in range(start, steps):
+            train_one_step()
+            if accelnb.stop_requested():
+                save_checkpoint(step)
+                return
+
+    Cheap enough for every step (an all-reduce about every 0.05 s, asynchronously). Outside a
+    launch it is always False. Once it answered True it stays True until the call ends.
+    """
+    checks = _checks
+    if checks.agreed:
+        return True
+    checks.calls += 1
+    if checks.calls < checks.next_check:
+        return False
+    return _check_point(checks)
+
+
+def begin_call() -> None:
+    """A new call's checks start from its first call; what the last call agreed is forgotten."""
+    global _checks
+    _checks = _Checks()
+
+
+def end_call(returned: bool) -> None:
+    """The call ended: wait for its last all-reduce, which every rank started (or note that one
+    did not). A call that raised does not wait (the other ranks may be gone): its group is let go,
+    and the next call makes another (every rank that raised alike does the same)."""
+    global _poisoned, _group
+    pending, _checks.pending = _checks.pending, None
+    if pending is None:
+        return
+    if not returned:
+        _abandoned.append(_group)  # never destroyed: its destructor would wait for the unfinished all-reduce
+        _group = None
+        return
+    try:
+        pending[0].wait(timedelta(seconds=END_OF_CALL_WAIT_S))
+    except Exception:  # any failure (a timeout, a broken peer) leaves the group unusable
+        _poisoned = True
+
+
+def _check_point(checks: _Checks) -> bool:
+    import torch
+    import torch.distributed as dist
+
+    request.announce_checking()
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        checks.agreed = request.heard()  # one rank agrees with itself
+        return checks.agreed
+    group = _agreement_group(dist)
+    calls_between = 1
+    if checks.pending is not None:
+        work, tensor = checks.pending
+        work.wait()
+        heard_anywhere, calls_between = (int(v) for v in tensor.tolist())
+        if heard_anywhere:
+            checks.pending = None
+            checks.agreed = True
+            return True
+    now = time.perf_counter()
+    proposal = 1
+    if checks.last_check is not None:
+        seconds_per_call = (now - checks.last_check[1]) / max(1, checks.calls - checks.last_check[0])
+        proposal = _calls_for(seconds_per_call)
+    checks.last_check = (checks.calls, now)
+    tensor = torch.tensor([int(request.heard()), proposal], dtype=torch.int64)
+    checks.pending = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True), tensor)
+    checks.next_check = checks.calls + calls_between
+    return False
+
+
+def _calls_for(seconds_per_call: float) -> int:
+    if seconds_per_call <= 0:
+        return MAX_CALLS_BETWEEN_CHECKS
+    return max(1, min(MAX_CALLS_BETWEEN_CHECKS, math.ceil(CHECK_INTERVAL_S / seconds_per_call)))
+
+
+def _agreement_group(dist: Any) -> Any:
+    global _group, _world, _groups_made
+    if _poisoned:
+        raise StopCheckMismatch(
+            "stop_requested() was called a different number of times on different ranks in an earlier "
+            "call of this session, so the ranks can no longer agree on when to stop. Call it on every "
+            "rank at the same point of the loop, and restart the session (%distributed restart).")
+    world = dist.group.WORLD
+    if _group is not None and _world is world:
+        return _group
+    _groups_made += 1
+    try:  # new_group would wait for a missing rank as long as the group's timeout (30 min)
+        process_group.every_rank_arrives(f"stop-agreement-{_groups_made}", dist.get_world_size(),
+                                         GROUP_JOIN_TIMEOUT_S)
+    except TimeoutError as error:
+        raise StopCheckMismatch(
+            f"stop_requested() waited {GROUP_JOIN_TIMEOUT_S:.0f} s for the other ranks to call it too ({error}). "
+            "The ranks agree on when to stop, so every rank must call it, at the same point of the loop: "
+            "do not call it under `if rank == 0`.") from None
+    _group = dist.new_group(backend="gloo")
+    _world = world
+    return _group

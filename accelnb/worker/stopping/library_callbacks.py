@@ -1,0 +1,93 @@
+"""Callbacks that make the HF Trainer and Lightning's Trainer save and stop on accelnb's Stop.
+
+Both ask :func:`~accelnb.worker.stopping.agreement.stop_requested` at the end of every optimizer
+step (every rank, the same number of times: what the agreement needs) and, once it says True,
+use the library's own machinery to save and stop at that step boundary, so the checkpoint is the
+library's usual one and the library's usual resume reads it:
+
+- :class:`TrainerSaveOnStop` sets the HF Trainer's ``control.should_save`` and
+  ``control.should_training_stop``: the Trainer writes ``checkpoint-<step>`` into ``output_dir``
+  and ends ``train()``; ``trainer.train(resume_from_checkpoint=get_last_checkpoint(output_dir))``
+  resumes. (Only the public ``TrainerCallback`` interface is used.)
+- :class:`LightningSaveOnStop` calls ``trainer.save_checkpoint(path)`` (a collective the strategy
+  handles: rank 0 writes) and sets ``trainer.should_stop``; ``trainer.fit(model,
+  ckpt_path=callback.resume_path())`` resumes.
+
+The libraries are imported when a class is first used (``accelnb.TrainerSaveOnStop``), never
+before: a launch that uses neither pays nothing.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+from accelnb.worker.stopping.agreement import stop_requested
+
+
+@functools.cache
+def trainer_save_on_stop_class() -> type:
+    """The HF ``TrainerCallback`` that saves and stops the Trainer on accelnb's Stop."""
+    from transformers import TrainerCallback
+
+    class TrainerSaveOnStop(TrainerCallback):  # type: ignore[misc]
+        """Save a checkpoint and end ``Trainer.train()`` at the step Stop was pressed (accelnb).
+
+        ``Trainer(..., callbacks=[accelnb.TrainerSaveOnStop()])``; resume with
+        ``trainer.train(resume_from_checkpoint=transformers.trainer_utils.get_last_checkpoint(output_dir))``.
+        """
+
+        stopped_at: int | None = None  # the global step it stopped at, once it did
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> Any:
+            if stop_requested():
+                self.stopped_at = state.global_step
+                control.should_save = True
+                control.should_training_stop = True
+            return control
+
+    return TrainerSaveOnStop
+
+
+@functools.cache
+def lightning_save_on_stop_class() -> type:
+    """The Lightning ``Callback`` that saves and stops the Trainer on accelnb's Stop."""
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:  # the standalone package
+        from pytorch_lightning import Callback  # type: ignore[assignment]
+
+    class LightningSaveOnStop(Callback):  # type: ignore[misc]
+        """Save ``dirpath/stopped.ckpt`` and stop ``Trainer.fit()`` at the step Stop was pressed.
+
+        ``Trainer(callbacks=[stop := accelnb.LightningSaveOnStop("checkpoints")])``; resume with
+        ``trainer.fit(model, ckpt_path=stop.resume_path())`` (None, a fresh start, when there is
+        no checkpoint yet).
+        """
+
+        def __init__(self, dirpath: str | os.PathLike[str], filename: str = "stopped.ckpt") -> None:
+            self.path = Path(dirpath) / filename
+            self.stopped_at: int | None = None
+
+        def resume_path(self) -> str | None:
+            """The checkpoint a stopped run saved, or None when there is none."""
+            return str(self.path) if self.path.exists() else None
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if stop_requested():
+                self.stopped_at = trainer.global_step
+                trainer.save_checkpoint(str(self.path))
+                trainer.should_stop = True
+
+    return LightningSaveOnStop
+
+
+def __getattr__(name: str) -> type:
+    """``TrainerSaveOnStop`` and ``LightningSaveOnStop``, made (and their library imported) on first use."""
+    if name == "TrainerSaveOnStop":
+        return trainer_save_on_stop_class()
+    if name == "LightningSaveOnStop":
+        return lightning_save_on_stop_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
