@@ -34,6 +34,7 @@ EXPECTED = {
     "spawn": "function", "torchrun": "function",
     "synthetic_inventory": "function", "stacks": "function", "doctor": "function",
     "Check": "record", "DoctorReport": "class",
+    "sweep": "function", "Trial": "record", "Trials": "class",
     "stop_requested": "function", "TrainerSaveOnStop": "class", "LightningSaveOnStop": "class",
 }
 # Subclasses of a library's own class: reaching them imports that library (transformers, lightning).

@@ -3,7 +3,11 @@
 One helper serves a kernel; it is started on first use (or ahead of time by :func:`prewarm`) and
 replaced, after being closed, when it died. In a kernel that imported torch it is first forked
 from the kernel (milliseconds) and later replaced by a spawned one (``fork_or_spawn`` says why).
-Only the thread that launches talks to it.
+Usually only the thread that launches talks to it; a sweep (``accelnb.sweep``) runs several
+launches at once, one thread each, on this one helper, so every exchange on its socket holds the
+helper's lock: a spawn request and its answer are one exchange (no thread reads another's answer),
+and a worker's exit, whichever thread reads it, waits in :meth:`WorkerHelper.take_exit` for the
+group that owns the pid.
 
     >>> helper = shared_helper()            # ms when forked; 1-2 s when spawned (import torch)
     >>> pids = helper.spawn(specs, fds)     # ms: forks one worker per spec
@@ -91,6 +95,8 @@ class WorkerHelper:
         self._disowned_pids: set[int] = set()  # forked for a request nobody waits for any more
         self.lost = False  # its end of the socket closed: it died
         self.pid = self._process.pid
+        # One exchange on the socket at a time: the launches of a sweep share the helper.
+        self._lock = threading.RLock()
 
     # ── its life ────────────────────────────────────────────────────────────────────────────
     @property
@@ -102,29 +108,31 @@ class WorkerHelper:
 
     def wait_ready(self, on_step: StepHook | None = None) -> None:
         """Block until the helper imported torch; raises if it died or never got there."""
-        if self._ready:
-            return
-        if on_step is not None:
-            on_step("helper-starting")
-        message = self._receive(timeout=START_TIMEOUT_S)
-        if message is None and self.lost:
-            raise helper_died(self.death(), "while starting, before it was ready", had_workers=False)
-        if message is None or message[0] != "ready":
-            self.close()
-            raise WorkerStartError(
-                f"accelnb's helper process was not ready within {START_TIMEOUT_S:g} s (it imports torch "
-                "first), so accelnb ended it. Check that `python -c 'import torch'` works and is quick.")
-        self._ready = True
-        self._close_start_stderr()  # it points its stderr at /dev/null once ready
+        with self._lock:
+            if self._ready:
+                return
+            if on_step is not None:
+                on_step("helper-starting")
+            message = self._receive(timeout=START_TIMEOUT_S)
+            if message is None and self.lost:
+                raise helper_died(self.death(), "while starting, before it was ready", had_workers=False)
+            if message is None or message[0] != "ready":
+                self.close()
+                raise WorkerStartError(
+                    f"accelnb's helper process was not ready within {START_TIMEOUT_S:g} s (it imports torch "
+                    "first), so accelnb ended it. Check that `python -c 'import torch'` works and is quick.")
+            self._ready = True
+            self._close_start_stderr()  # it points its stderr at /dev/null once ready
 
     def poll_ready(self) -> bool:
         """Whether it is ready, without waiting (reads what it sent so far)."""
-        if not self._ready and not self.lost:
-            message = self._receive(timeout=0)
-            if message is not None and message[0] == "ready":
-                self._ready = True
-                self._close_start_stderr()
-        return self._ready
+        with self._lock:
+            if not self._ready and not self.lost:
+                message = self._receive(timeout=0)
+                if message is not None and message[0] == "ready":
+                    self._ready = True
+                    self._close_start_stderr()
+            return self._ready
 
     def death(self) -> HelperExit:
         """How it ended (call once :attr:`lost`): waits a moment for its exit status."""
@@ -154,34 +162,35 @@ class WorkerHelper:
         Raises :class:`~accelnb.errors.HelperDied` when the helper dies meanwhile. Whatever
         interrupts the wait (Ctrl-C) leaves no worker of this request behind.
         """
-        self.wait_ready()
-        self._next_request += 1
-        request = self._next_request
-        try:
-            socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs)))], list(fds))
-        except OSError:
-            if self._peer_closed():
-                raise helper_died(self.death(), "while starting workers") from None
-            raise
-        try:
-            if on_step is not None:
-                on_step("spawn-requested")
-            reply = self._await_reply(request, time.monotonic() + SPAWN_TIMEOUT_S)
-        except BaseException:
-            self._reclaim(request)
-            raise
-        if reply is None and self.lost:
-            raise helper_died(self.death(), "while starting workers")
-        if reply is None:
-            self._reclaim(request)
-            raise WorkerStartError(f"accelnb's helper process did not fork the workers within "
-                                   f"{SPAWN_TIMEOUT_S:g} s; they were stopped. Try again.")
-        if reply[0] == "spawn_failed":
-            raise WorkerStartError(f"accelnb's helper process could not fork the workers: {reply[2]}")
-        pids: list[int] = reply[2]
-        self.workers_started += len(pids)
-        self._live_pids.update(pids)
-        return pids
+        with self._lock:
+            self.wait_ready()
+            self._next_request += 1
+            request = self._next_request
+            try:
+                socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs)))], list(fds))
+            except OSError:
+                if self._peer_closed():
+                    raise helper_died(self.death(), "while starting workers") from None
+                raise
+            try:
+                if on_step is not None:
+                    on_step("spawn-requested")
+                reply = self._await_reply(request, time.monotonic() + SPAWN_TIMEOUT_S)
+            except BaseException:
+                self._reclaim(request)
+                raise
+            if reply is None and self.lost:
+                raise helper_died(self.death(), "while starting workers")
+            if reply is None:
+                self._reclaim(request)
+                raise WorkerStartError(f"accelnb's helper process did not fork the workers within "
+                                       f"{SPAWN_TIMEOUT_S:g} s; they were stopped. Try again.")
+            if reply[0] == "spawn_failed":
+                raise WorkerStartError(f"accelnb's helper process could not fork the workers: {reply[2]}")
+            pids: list[int] = reply[2]
+            self.workers_started += len(pids)
+            self._live_pids.update(pids)
+            return pids
 
     def _await_reply(self, request: int, deadline: float) -> Any | None:
         """The helper's answer to ``request``; None when it died or the deadline passed."""
@@ -207,18 +216,21 @@ class WorkerHelper:
     # ── worker exits ────────────────────────────────────────────────────────────────────────
     def collect(self) -> None:
         """Read every message that is waiting, without blocking."""
-        while self._receive(timeout=0) is not None:
-            pass
+        with self._lock:
+            while self._receive(timeout=0) is not None:
+                pass
 
     def take_exit(self, pid: int) -> WorkerExit | None:
         """The reported exit of ``pid``, forgotten once taken; None while it runs."""
-        return self._exits.pop(pid, None)
+        with self._lock:
+            return self._exits.pop(pid, None)
 
     def forget(self, pids: Iterable[int]) -> None:
         """Exits of these pids are nobody's business any more (their group was closed)."""
-        for pid in pids:
-            if self._exits.pop(pid, None) is None:  # not reported yet: drop the report when it comes
-                self._disowned_pids.add(pid)
+        with self._lock:
+            for pid in pids:
+                if self._exits.pop(pid, None) is None:  # not reported yet: drop the report when it comes
+                    self._disowned_pids.add(pid)
 
     def wait_for_exits(self, pids: Iterable[int], deadline: float) -> None:
         """SIGKILL these workers' process groups and wait (until ``deadline``) for their exits."""
@@ -226,27 +238,30 @@ class WorkerHelper:
         for pid in waiting:
             _kill_group(pid)
         self.forget(waiting)
+        # Each read takes the lock on its own: another launch's thread may read these exits too
+        # (it drops them, as disowned), and its own meanwhile.
         while waiting & self._disowned_pids and not self.lost and time.monotonic() < deadline:
-            self._receive(timeout=max(0.0, deadline - time.monotonic()))
+            self._receive(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
 
     # ── the socket ──────────────────────────────────────────────────────────────────────────
     def _receive(self, timeout: float) -> Any | None:
         """One message, or None when none came within ``timeout`` or the helper is gone."""
-        if self.lost or self._closed:
-            return None
-        readable, _, _ = select.select([self._sock], [], [], timeout)
-        if not readable:
-            return None
-        try:
-            data = self._sock.recv(1 << 20)
-        except OSError:
-            data = b""
-        if not data:
-            self.lost = True
-            return None
-        message = pickle.loads(data)
-        self._note(message)
-        return message
+        with self._lock:
+            if self.lost or self._closed:
+                return None
+            readable, _, _ = select.select([self._sock], [], [], timeout)
+            if not readable:
+                return None
+            try:
+                data = self._sock.recv(1 << 20)
+            except OSError:
+                data = b""
+            if not data:
+                self.lost = True
+                return None
+            message = pickle.loads(data)
+            self._note(message)
+            return message
 
     @property
     def has_workers(self) -> bool:
