@@ -37,7 +37,7 @@ from accelnb.kernel.helper.payload import pack_call
 from accelnb.kernel.planning import rank_plan
 from accelnb.kernel.planning.inventory import Inventory, read_inventory
 from accelnb.kernel.run.call_settings import CallSettings
-from accelnb.kernel.run.engine import run_on_group
+from accelnb.kernel.run.engine import AttemptSink, run_on_group
 from accelnb.kernel.run.launch_result import LaunchResult
 from accelnb.kernel.run.rank_group import RankGroup
 from accelnb.kernel.run.sigterm import sigterm_as_stop
@@ -116,6 +116,8 @@ class Session:
         function: Callable[..., Any],
         args: Sequence[Any] = (),
         kwargs: Mapping[str, Any] | None = None,
+        *,
+        metric_sink: Callable[[Any], None] | None = None,
         **options: Unpack[SessionCallKeywords],
     ) -> LaunchResult:
         """Run ``function`` on every rank of the session (see :func:`accelnb.launch`), or on
@@ -124,7 +126,7 @@ class Session:
             >>> session.run(set_learning_rate, (1e-4,), ranks=[1])        # doctest: +SKIP
 
         Args:
-            function, args, kwargs: as for :func:`accelnb.launch`.
+            function, args, kwargs, metric_sink: as for :func:`accelnb.launch`.
             **options: the options of one call, listed under "Keyword Args".
 
         Raises:
@@ -139,7 +141,8 @@ class Session:
             self._check_ranks(call.ranks)
         payload = pack_call(function, args, kwargs or {})
         try:
-            with sigterm_as_stop(), metric_route(call) as route:
+            sinks: list[AttemptSink] = [] if metric_sink is None else [lambda batch, attempt: metric_sink(batch)]
+            with sigterm_as_stop(), metric_route(call, sinks) as route:
                 self._activity = route.activity  # what status() shows, live during the call
                 return run_on_group(self._group, payload, call.view(CallSettings), metrics=route,
                                     chosen_ranks=call.ranks)

@@ -40,7 +40,7 @@ from typing import Literal
 
 from accelnb.kernel.run.call_outcome import CallOutcome, HelperExit
 from accelnb.kernel.run.group.call_answers import CallAnswers
-from accelnb.kernel.run.group.stop_presses import PANEL_STOP, StopPresses
+from accelnb.kernel.run.group.stop_presses import PANEL_STOP, TIMEOUT_PASSED, StopPresses
 from accelnb.kernel.run.group.straggler_watch import StragglerWatch
 
 ANSWER_WAIT_S = 1.0  # sessions: how long the other ranks get to answer after a failure
@@ -131,14 +131,14 @@ class CallProtocol:
             if deadline is not None and time.monotonic() > deadline:
                 if presses.requested or not answers.checks_stop:
                     return "timed_out"
-                press, deadline = f"timeout={timeout:g} s passed", None
+                press, deadline = TIMEOUT_PASSED, None
             if press is not None:
                 if presses.requested or not (answers.checks_stop and self._ranks.request_stop(answers)):
                     return "stop_requested"
                 presses.request_sent(press)
                 self._ranks.show_request(press)
             if presses.grace_over():
-                return "timed_out" if (presses.asked_by or "").startswith("timeout=") else "stop_requested"
+                return "timed_out" if presses.asked_by == TIMEOUT_PASSED else "stop_requested"
             if stall_timeout is not None:
                 quiet_for = time.monotonic() - max(started, self._ranks.progress_at())
                 if quiet_for < stall_timeout:

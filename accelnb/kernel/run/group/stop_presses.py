@@ -29,6 +29,7 @@ from types import FrameType
 
 STOP_BUTTON = "the stop button"
 PANEL_STOP = "a panel's Stop"
+TIMEOUT_PASSED = "timeout= passed"
 REQUEST_MESSAGE = ("accelnb: stop requested ({by}): ranks will stop at their next check "
                    "(press Stop again to stop now)\n")
 
