@@ -22,6 +22,8 @@ than silently ignored. The flags, their choices and their help are generated fro
 The notebook names the cell reads are shipped to every rank by cloudpickle (modules are imported
 there instead), the names it assigns come back from rank 0 (the first of ``--ranks``), and the last result is
 ``_distributed`` (a :class:`~accelnb.kernel.run.launch_result.LaunchResult`, with ``.metrics``).
+``--sweep NAME`` runs the cell once per config of the list ``NAME`` instead, with ``config`` bound
+(:mod:`accelnb.notebook.sweep_cell`).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from accelnb.kernel.doctor.checks import doctor
 from accelnb.kernel.helper.payload import check_picklable
 from accelnb.kernel.run.launch_result import LaunchResult
 from accelnb.launcher import check_launch, launch_with
+from accelnb.notebook.sweep_cell import CONFIG_NAME, SWEEP_FLAGS, run_cell_sweep
 from accelnb.options import (
     ALL_OPTIONS,
     RESTART_OPTIONS,
@@ -108,6 +111,20 @@ CELL_GRAMMAR.add_argument("--return-limit", dest="return_limit", default=None, m
                           help="how much the assigned names may weigh together when they come back "
                                f"(default {describe_limit(DEFAULT_RETURN_LIMIT)}; e.g. 1GB, 512MiB, or "
                                '"none" for no limit); past it the biggest stay on the ranks')
+CELL_GRAMMAR.add_argument("--sweep", dest="sweep", default=argparse.SUPPRESS, metavar="NAME",
+                          help="run the cell once per config of the notebook's list NAME, each run a trial on "
+                               "GPUs of its own (accelnb.sweep), with `config` bound in the cell; the table of "
+                               "trials is the cell's output, and the trials are _sweep")
+CELL_GRAMMAR.add_argument("--gpus-per-trial", dest="gpus_per_trial", type=int, default=argparse.SUPPRESS,
+                          metavar="N", help="with --sweep: GPUs each trial owns (default 1)")
+CELL_GRAMMAR.add_argument("--max-concurrent", dest="max_concurrent", type=int, default=argparse.SUPPRESS,
+                          metavar="N", help="with --sweep: at most N trials at once")
+CELL_GRAMMAR.add_argument("--best", dest="best", default=argparse.SUPPRESS, metavar="METRIC",
+                          help="with --sweep: the metric whose best trial the table marks")
+CELL_GRAMMAR.add_argument("--mode", dest="mode", choices=("min", "max"), default=argparse.SUPPRESS,
+                          help="with --sweep: whether a lower (min, the default) or higher --best is better")
+CELL_GRAMMAR.add_argument("--fail-fast", dest="fail_fast", action="store_true", default=argparse.SUPPRESS,
+                          help="with --sweep: the first failed trial stops the others")
 START_GRAMMAR = _option_parser("distributed start",
                                "Start a persistent session (restart: stop it, then start it again "
                                "with the same options, or with these).", ("start",))
@@ -197,6 +214,9 @@ class DistributedMagics(Magics):
     # ── cells ───────────────────────────────────────────────────────────────────────────────
     def _run_cell(self, given: dict[str, Any], returns: CellReturns, source: str, header: str) -> Any:
         in_session = self.session is not None and self.session.alive
+        sweep = {flag: given.pop(flag) for flag in SWEEP_FLAGS if flag in given}
+        if sweep:
+            return self._run_sweep(given, sweep, returns, source, header, in_session)
         fixed = sorted(name for name in given if name in START_OPTIONS)
         if in_session and fixed:
             flags = ", ".join(magic_wording(f"{name}=").strip() for name in fixed)
@@ -235,6 +255,28 @@ class DistributedMagics(Magics):
             if self.session is not None and not self.session.alive:
                 self.session = None
         return self._bring_back(result, returns, in_session)
+
+    def _run_sweep(self, given: dict[str, Any], sweep: dict[str, Any], returns: CellReturns, source: str,
+                   header: str, in_session: bool) -> None:
+        name = sweep.pop("sweep", None)
+        if name is None:
+            flags = ", ".join("--" + flag.replace("_", "-") for flag in sweep)
+            raise UsageError(f"{flags} apply to a sweep: add --sweep NAME (NAME a list of configs in the notebook).")
+        if in_session:
+            raise UsageError("--sweep runs each config as a launch of its own, on GPUs of its own, and a persistent "
+                             "session is running on its workers. `%distributed stop` first, or run the configs "
+                             "one cell at a time in the session.")
+        if returns.names:
+            raise UsageError("--return brings names back from one run of the cell; a sweep runs it once per config. "
+                             "Make the value you want the cell's last expression: it is each trial's value.")
+        if name not in self.shell.user_ns:
+            raise UsageError(f"--sweep {name}: no {name!r} in the notebook. Define it first, e.g. "
+                             f'{name} = [{{"lr": 1e-3}}, {{"lr": 1e-2}}].')
+        request = CellRequest(source=source, filename=f"<cell In[{self.shell.execution_count - 1}]>",
+                              header=header, names=self._ship(source, skip={CONFIG_NAME}),
+                              modules=self._modules(source), return_names=[], return_limit=returns.limit)
+        with _as_usage_error():
+            run_cell_sweep(request, self.shell.user_ns[name], given, sweep, self.shell.user_ns)
 
     def _ship(self, source: str, skip: set[str]) -> dict[str, Any]:
         namespace = self.shell.user_ns
