@@ -38,7 +38,13 @@ A state message::
                    "synthetic": bool, "source": "nvml" | "none" | "synthetic", "note": str},
      "selection": {"gpus": [int] | null, "num_processes": int | null, "magic_line": str},
      "run": null | {"run_id": int, "finished": bool,
-                    "ranks": [{"rank", "device", "phase", "pid", "detail", "progress"}]}}
+                    "ranks": [{"rank", "device", "phase", "pid", "detail", "progress"}]},
+     "sweep": null | {"sweep_id": int, "finished": bool,
+                      "trials": [{"index", "label", "gpus": [int], "state"}]}}
+
+During a sweep (``accelnb.sweep``) several launches run at once: ``run`` is the latest to start,
+and ``sweep`` says which trial each GPU runs (a trial's ``gpus`` while its ``state`` is
+``"running"``); it is sent when a trial starts or ends.
 
 Each open comm is one panel with its own subscriptions; closing the comm ends them. The
 inventory is read when a panel connects, on ``refresh`` and when a run finishes, not on every
@@ -80,6 +86,7 @@ from accelnb.kernel.planning.inventory import Inventory, InventorySource, read_i
 from accelnb.kernel.planning.rank_plan import plan
 from accelnb.kernel.run import run_state
 from accelnb.kernel.stacks.live import DEFAULT_WAIT_S, NO_DUMP
+from accelnb.kernel.sweep import sweep_state
 from accelnb.notebook.kernel_messages import let_comm_messages_through_runs
 
 if TYPE_CHECKING:
@@ -187,6 +194,7 @@ class PanelConnection:
         self._unsubscribe = [
             selection.on_selection_change(lambda _selection: self.send_state()),
             run_state.on_run_change(self._on_run_change),
+            sweep_state.on_sweep_change(lambda _sweep: self.send_state()),
             let_comm_messages_through_runs(),
         ]
         _panels.append(self)
@@ -286,7 +294,8 @@ class PanelConnection:
             return  # the first read sends the first state, with the GPUs in it
         if self._inventory_error:
             self._send({"type": "error", "message": self._inventory_error})
-        self._send(state_message(self._inventory, selection.current_selection(), run_state.current_run()))
+        self._send(state_message(self._inventory, selection.current_selection(), run_state.current_run(),
+                                 sweep_state.current_sweep()))
 
     def _send(self, data: dict[str, Any]) -> None:
         with self._send_lock:
@@ -303,9 +312,10 @@ def _is_int(value: Any) -> bool:
 
 
 def state_message(
-    inventory: Inventory, chosen: selection.Selection | None, run: run_state.RunState | None
+    inventory: Inventory, chosen: selection.Selection | None, run: run_state.RunState | None,
+    sweep: sweep_state.SweepState | None = None,
 ) -> dict[str, Any]:
-    """The ``state`` message for this inventory, selection and run (plain JSON types)."""
+    """The ``state`` message for this inventory, selection, run and sweep (plain JSON types)."""
     chosen = chosen or selection.Selection()
     return {
         "type": "state",
@@ -324,5 +334,11 @@ def state_message(
             "run_id": run.run_id,
             "finished": run.finished,
             "ranks": [dataclasses.asdict(rank) for rank in list(run.ranks)],
+        },
+        "sweep": None if sweep is None else {
+            "sweep_id": sweep.sweep_id,
+            "finished": sweep.finished,
+            "trials": [{"index": row.index, "label": row.label, "gpus": list(row.gpus), "state": row.state}
+                       for row in sweep.trials],
         },
     }

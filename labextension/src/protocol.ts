@@ -50,12 +50,27 @@ export interface IRun {
   ranks: IRank[];
 }
 
+/** One trial of a sweep (`accelnb.sweep`): its GPUs while it runs. */
+export interface ITrial {
+  index: number;
+  label: string; // its config, short
+  gpus: number[];
+  state: 'queued' | 'running' | 'done' | 'failed' | 'stopped' | 'skipped';
+}
+
+export interface ISweep {
+  sweep_id: number;
+  finished: boolean;
+  trials: ITrial[];
+}
+
 /** Kernel → panel. */
 export interface IStateMessage {
   type: 'state';
   inventory: IInventory;
   selection: ISelection; // gpus and num_processes both null: nothing chosen yet
-  run: IRun | null;
+  run: IRun | null; // during a sweep: the latest trial to start
+  sweep?: ISweep | null; // absent from a kernel older than sweeps
 }
 
 export interface IErrorMessage {

@@ -4,14 +4,15 @@
  * Sections, top to bottom: which notebook it follows and whether accelnb is loaded there; a
  * banner when the inventory is synthetic; the GPU table with one checkbox per GPU (or a number
  * of CPU ranks when there is no GPU); the selection as the equivalent `%%distributed` line; the
- * run in progress, one row per rank, with a Stop button and a Stacks button; the last stacks read.
+ * trials of a sweep (which trial each GPU runs, also tagged on its GPU row); the run in progress,
+ * one row per rank, with a Stop button and a Stacks button; the last stacks read.
  */
 
 import { LabIcon } from '@jupyterlab/ui-components';
 import { Widget } from '@lumino/widgets';
 
 import { GpuPanelModel } from './model';
-import { IGpu, IRun, ISelection, IStacksMessage, IStateMessage } from './protocol';
+import { IGpu, IRun, ISelection, IStacksMessage, IStateMessage, ISweep, ITrial } from './protocol';
 
 const GPU_ICON_SVG =
   '<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 24 24">' +
@@ -73,6 +74,7 @@ export class GpuPanelView extends Widget {
     }
     this._renderInventory(root, state);
     this._renderSelection(root, state.selection);
+    this._renderSweep(root, state.sweep ?? null);
     this._renderRun(root, state.run);
   }
 
@@ -103,7 +105,7 @@ export class GpuPanelView extends Widget {
       label.appendChild(input);
       root.appendChild(label);
     } else {
-      root.appendChild(this._gpuTable(inventory.gpus, selection));
+      root.appendChild(this._gpuTable(inventory.gpus, selection, trialsByGpu(state.sweep ?? null)));
     }
     const refresh = el('button', 'jp-Button jp-mod-styled jp-mod-reject accelnb-GpuPanel-refresh', 'Refresh');
     refresh.title = 'Read memory and utilisation again';
@@ -111,7 +113,7 @@ export class GpuPanelView extends Widget {
     root.appendChild(refresh);
   }
 
-  private _gpuTable(gpus: IGpu[], selection: ISelection): HTMLTableElement {
+  private _gpuTable(gpus: IGpu[], selection: ISelection, trials: Map<number, ITrial>): HTMLTableElement {
     const chosen = new Set(selection.gpus ?? []);
     const table = el('table', 'accelnb-GpuPanel-gpus') as HTMLTableElement;
     const head = table.createTHead().insertRow();
@@ -136,6 +138,12 @@ export class GpuPanelView extends Widget {
       // A side panel is narrow: the name on one line, the figures on a second one.
       const about = row.insertCell();
       about.appendChild(el('div', 'accelnb-GpuPanel-name', gpu.name));
+      const trial = trials.get(gpu.index);
+      if (trial) {
+        const tag = el('div', 'accelnb-GpuPanel-trial', `trial ${trial.index}: ${trial.label}`);
+        tag.title = 'The sweep trial this GPU runs';
+        about.appendChild(tag);
+      }
       const figures = el('div', 'accelnb-GpuPanel-figures');
       const memory = `${(gpu.memory_used / GIB).toFixed(1)} / ${(gpu.memory_total / GIB).toFixed(0)} GiB`;
       figures.appendChild(el('span', 'accelnb-GpuPanel-memory', memory));
@@ -162,6 +170,39 @@ export class GpuPanelView extends Widget {
       section.append('Next launch, same as ');
     }
     section.appendChild(el('code', 'accelnb-GpuPanel-magic', selection.magic_line));
+    root.appendChild(section);
+  }
+
+  /** A sweep's trials: which runs on which GPUs, which wait, how the others ended. */
+  private _renderSweep(root: HTMLElement, sweep: ISweep | null): void {
+    if (!sweep) {
+      return;
+    }
+    const section = el('div', 'accelnb-GpuPanel-sweep');
+    const running = sweep.trials.filter(t => t.state === 'running').length;
+    const queued = sweep.trials.filter(t => t.state === 'queued').length;
+    const title = sweep.finished
+      ? `Last sweep: ${sweep.trials.length} trials`
+      : `Sweep: ${running} running, ${queued} queued`;
+    section.appendChild(el('div', 'accelnb-GpuPanel-runTitle', title));
+    const table = el('table', 'accelnb-GpuPanel-trials') as HTMLTableElement;
+    const head = table.createTHead().insertRow();
+    for (const name of ['Trial', 'GPUs', 'State', 'Config']) {
+      head.appendChild(el('th', '', name));
+    }
+    const body = table.createTBody();
+    for (const trial of sweep.trials) {
+      const row = body.insertRow();
+      row.dataset.trial = String(trial.index);
+      row.dataset.state = trial.state;
+      row.insertCell().textContent = String(trial.index);
+      row.insertCell().textContent = trial.gpus.length ? trial.gpus.join(',') : trial.state === 'queued' ? '' : 'cpu';
+      const state = row.insertCell();
+      state.className = `accelnb-GpuPanel-phase accelnb-mod-${trial.state}`;
+      state.textContent = trial.state;
+      row.insertCell().textContent = trial.label;
+    }
+    section.appendChild(table);
     root.appendChild(section);
   }
 
@@ -251,4 +292,17 @@ function el(tag: string, className: string, text?: string): HTMLElement {
     node.textContent = text;
   }
   return node;
+}
+
+/** GPU → the sweep trial running on it now. */
+function trialsByGpu(sweep: ISweep | null): Map<number, ITrial> {
+  const byGpu = new Map<number, ITrial>();
+  for (const trial of sweep && !sweep.finished ? sweep.trials : []) {
+    if (trial.state === 'running') {
+      for (const gpu of trial.gpus) {
+        byGpu.set(gpu, trial);
+      }
+    }
+  }
+  return byGpu;
 }
