@@ -7,15 +7,18 @@ each heard, on a gloo group of accelnb's own (CPU tensors, whatever backend the 
 has; made at the first check, so that code that never checks pays nothing).
 
 A collective every call would cost too much: on a loaded 2-core machine a gloo all-reduce of one
-number costs the caller 200-350 µs, 10-17 % of a 2 ms step. So the all-reduce runs only at some
-calls, and asynchronously: at each such call (a "check point") a rank waits for the all-reduce
-it started at the previous check point (long finished, in gloo's own thread) and starts the next.
+number costs the caller 200-350 µs, 10-17 % of a 2 ms step (benchmarks/bench_stop.py: 23 %). So
+the all-reduce runs only at some calls, and asynchronously: at each such call (a "check point")
+a rank waits for the all-reduce it started at the previous check point (long finished, in gloo's
+own thread) and starts the next.
 The check points are the same call numbers on every rank, because the all-reduce also carries
 each rank's proposal for the gap to the next one (enough calls for about
 :data:`CHECK_INTERVAL_S` of the rank's own pace) and every rank takes the same maximum. An
 answer of True at call *n* therefore comes from the all-reduce every rank started at the same
 earlier call: the same answer everywhere. A request is seen at most two gaps after it arrives,
-about 0.1 s. Between check points a call costs a counter increment.
+about 0.5 s. Between check points a call costs a counter increment. Why 0.25 s: at 0.05 s a check
+point cost 0.8-1.6 % of the loop's time on this 2-core machine (gloo's thread competes with the
+step for the cores); a Stop does not need to be answered faster than a person notices.
 
 Once True, the answer stays True until the call ends. The group lives as long as the process
 (a session's next call reuses it), unless a call ends with an all-reduce that never finished
@@ -32,7 +35,7 @@ from typing import Any
 from accelnb.worker.other_launchers import process_group
 from accelnb.worker.stopping import request
 
-CHECK_INTERVAL_S = 0.05  # the ranks' pace decides how many calls that is
+CHECK_INTERVAL_S = 0.25  # the ranks' pace decides how many calls that is
 MAX_CALLS_BETWEEN_CHECKS = 100_000
 GROUP_JOIN_TIMEOUT_S = 60.0  # a rank that never checks: say so instead of hanging
 END_OF_CALL_WAIT_S = 10.0  # the last all-reduce of a call: every rank started it, so it finishes
@@ -72,8 +75,8 @@ def stop_requested() -> bool:
                 save_checkpoint(step)
                 return
 
-    Cheap enough for every step (an all-reduce about every 0.05 s, asynchronously). Outside a
-    launch it is always False. Once it answered True it stays True until the call ends.
+    Cheap enough for every step (an all-reduce about every 0.25 s of the loop, asynchronously).
+    Outside a launch it is always False. Once it answered True it stays True until the call ends.
     """
     checks = _checks
     if checks.agreed:
