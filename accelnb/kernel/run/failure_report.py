@@ -127,6 +127,10 @@ def exception_for(outcome: CallOutcome, *, show_output_of: set[int],
 def run_interrupted(outcome: CallOutcome, *, persistent: bool) -> RunInterrupted:
     """One short message: what the interrupt stopped, and what is left."""
     on_what = "on the Stop request" if outcome.stop_source == "stop_request" else "on the interrupt"
+    if outcome.stop_asked_by is not None:  # the code was asked first (stop_requested()) and did not end in time
+        on_what = (f"on the Stop request: they were asked to stop at their next stop_requested() check "
+                   f"({outcome.stop_asked_by}) {outcome.stop_seconds or 0:.1f} s earlier and had not all returned "
+                   "(a second press, or stop_grace= passed)")
     if outcome.workers_kept and outcome.phase == "unsent":
         return RunInterrupted("accelnb interrupted the cell before it reached the workers; the session and "
                               "its variables are kept.")
