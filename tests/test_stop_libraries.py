@@ -94,7 +94,7 @@ def trainer_stopped_at(stopped: LaunchResult) -> tuple[int, float]:
     """The global step every rank of a stopped trainer's run stopped at, and the weights it saved
     (the values: last global step, first step trained, where the callback stopped, weights at the
     beginning and at the end)."""
-    (k, first, at, _, saved), other = stopped.values[0], stopped.values[1]
+    (k, first, at, _, saved), other = stopped.values[0][:5], stopped.values[1]
     assert first == 1 and k >= PRESS_AFTER_STEP and at == k
     assert other[:3] == (k, 1, k) and other[4] == saved  # every rank stopped at the same step, one model
     return k, saved
@@ -156,10 +156,11 @@ def test_hf_trainer_saves_a_checkpoint_on_stop_and_resumes_from_it(tmp_path: Pat
 
 
 # ── Lightning ────────────────────────────────────────────────────────────────────────────────
-def lightning_train(dirpath: str, max_steps: int) -> tuple[int, int | None, int | None, float, float]:
-    """A LightningModule fitted with DDP, resuming from the stopped checkpoint when there is one.
-    Returns the last global step, the first step this run trained, where the callback stopped, and
-    a checksum of the weights when training began (after a resume loaded them) and ended."""
+def lightning_train(dirpath: str, max_steps: int) -> tuple[int, int | None, int | None, float, float, int]:
+    """A LightningModule fitted with DDP, two batches an optimizer step, resuming from the stopped
+    checkpoint when there is one. Returns the last global step, the first step this run trained,
+    where the callback stopped, a checksum of the weights when training began (after a resume
+    loaded them) and ended, and how many batches the first optimizer step accumulated."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -168,6 +169,7 @@ def lightning_train(dirpath: str, max_steps: int) -> tuple[int, int | None, int 
 
     class Regression(L.LightningModule):
         first_step: int | None = None
+        batches_in_first_step = 0
         began_with = 0.0
 
         def __init__(self) -> None:
@@ -178,14 +180,17 @@ def lightning_train(dirpath: str, max_steps: int) -> tuple[int, int | None, int 
             self.began_with = checksum(self)
 
         def training_step(self, batch: Any, index: int) -> torch.Tensor:
+            if self.first_step is None:
+                self.batches_in_first_step += 1
             x, y = batch
             return torch.nn.functional.mse_loss(self.layer(x), y)
 
-        def on_train_batch_end(self, outputs: Any, batch: Any, index: int) -> None:
-            step = self.trainer.global_step  # the optimizer steps taken, this batch's included
+        def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
             if self.first_step is None:
-                self.first_step = step
-            accelnb.report(step=step)
+                self.first_step = self.trainer.global_step + 1
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, index: int) -> None:
+            accelnb.report(step=self.trainer.global_step)  # the optimizer steps taken, this batch's included
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
             return torch.optim.SGD(self.parameters(), lr=0.01)
@@ -195,10 +200,11 @@ def lightning_train(dirpath: str, max_steps: int) -> tuple[int, int | None, int 
     stop = accelnb.LightningSaveOnStop(dirpath)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="ddp", max_steps=max_steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[stop])
+                        accumulate_grad_batches=2, callbacks=[stop])
     model = Regression()
     trainer.fit(model, data, ckpt_path=stop.resume_path())
-    return trainer.global_step, model.first_step, stop.stopped_at, model.began_with, checksum(model)
+    return (trainer.global_step, model.first_step, stop.stopped_at, model.began_with, checksum(model),
+            model.batches_in_first_step)
 
 
 def test_lightning_saves_a_checkpoint_on_stop_and_resumes_from_it(tmp_path: Path) -> None:
@@ -208,7 +214,11 @@ def test_lightning_saves_a_checkpoint_on_stop_and_resumes_from_it(tmp_path: Path
     k, saved = trainer_stopped_at(stopped)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stopped.ckpt"]
     assert torch.load(tmp_path / "stopped.ckpt", weights_only=False)["global_step"] == k
-    assert_trainer_resumed(run_to(lightning_train, tmp_path, k + MORE_STEPS), k, saved)
+    resumed = run_to(lightning_train, tmp_path, k + MORE_STEPS)
+    assert_trainer_resumed(resumed, k, saved)
+    # Saved after an optimizer step, not between two accumulated batches (whose gradients a
+    # checkpoint does not keep): the resumed run's first step accumulates two batches too.
+    assert [r.values[rank][5] for r in (stopped, resumed) for rank in (0, 1)] == [2, 2, 2, 2]
 
 
 # ── Accelerate ───────────────────────────────────────────────────────────────────────────────

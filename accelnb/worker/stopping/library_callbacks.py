@@ -1,9 +1,10 @@
 """Callbacks that make the HF Trainer and Lightning's Trainer save and stop on accelnb's Stop.
 
 Both ask :func:`~accelnb.worker.stopping.agreement.stop_requested` at the end of every optimizer
-step (every rank, the same number of times: what the agreement needs) and, once it says True,
-use the library's own machinery to save and stop at that step boundary, so the checkpoint is the
-library's usual one and the library's usual resume reads it:
+step, never between the batches of one accumulated step (every rank, the same number of times:
+what the agreement needs) and, once it says True, use the library's own machinery to save and
+stop at that step boundary, so the checkpoint is the library's usual one and the library's usual
+resume reads it:
 
 - :class:`TrainerSaveOnStop` sets the HF Trainer's ``control.should_save`` and
   ``control.should_training_stop``: the Trainer writes ``checkpoint-<step>`` into ``output_dir``
@@ -70,12 +71,24 @@ def lightning_save_on_stop_class() -> type:
         def __init__(self, dirpath: str | os.PathLike[str], filename: str = "stopped.ckpt") -> None:
             self.path = Path(dirpath) / filename
             self.stopped_at: int | None = None
+            self._last_step: int | None = None  # the global step at the last check
 
         def resume_path(self) -> str | None:
             """The checkpoint a stopped run saved, or None when there is none."""
             return str(self.path) if self.path.exists() else None
 
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self._last_step = trainer.global_step  # a resumed run's restored step
+
         def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            # Lightning calls this after every batch, also after a batch whose gradients are only
+            # accumulated (accumulate_grad_batches > 1): a checkpoint there drops those gradients,
+            # and the resumed run's first optimizer step then has fewer batches than the others.
+            # So check only after a batch that stepped the optimizer (global_step moved); every
+            # DDP rank steps at the same batches, so the ranks still check equally often.
+            if trainer.global_step == self._last_step:
+                return
+            self._last_step = trainer.global_step
             if stop_requested():
                 self.stopped_at = trainer.global_step
                 trainer.save_checkpoint(str(self.path))
