@@ -11,12 +11,14 @@ of a chosen step (the launch's metric sink), never for a time.
 from __future__ import annotations
 
 import os
+import queue
 import random
 import signal
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -229,22 +231,55 @@ def test_the_kernels_stop_button_saves_and_the_next_cell_resumes(tmp_path: Path)
         manager.shutdown_kernel(now=True)
 
 
-def _run_pressing(manager: Any, client: Any, code: str, press_when: str) -> dict[str, str]:
-    """Run ``code`` in the kernel; press the stop button (interrupt) once rank 0 printed ``press_when``."""
+def test_sigterm_to_the_kernel_saves_then_the_kernel_ends(tmp_path: Path) -> None:
+    manager, client = start_repo_kernel()
+    try:
+        kernel = psutil.Process(manager.provisioner.pid)
+        client.execute_interactive("import accelnb, sys; sys.path.insert(0, 'tests'); "
+                                   "from stop_targets import train_until_stopped", timeout=60)
+        ranks: list[psutil.Process] = []
+        cell = f"accelnb.notebook_launcher(train_until_stopped, ({str(tmp_path)!r},), 2, cpu=True)"
+        outputs = _run_pressing(manager, client, cell, press_when="step 100",
+                                press=lambda: (ranks.extend(kernel.children(recursive=True)),
+                                               kernel.send_signal(signal.SIGTERM)))
+        assert "stop requested (SIGTERM)" in outputs["stderr"], outputs
+        assert "stopped as asked (SIGTERM)" in outputs["stderr"], outputs
+        step = saved_step(tmp_path)
+        assert {(tmp_path / f"rank{r}.step").read_text() for r in (0, 1)} == {str(step)}
+        assert manager.provisioner.process.wait(30) == -signal.SIGTERM  # then the kernel ends, as SIGTERM meant
+        _gone, alive = psutil.wait_procs(ranks, timeout=10)
+        assert alive == []  # the ranks, the helper: nothing left
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def _run_pressing(manager: Any, client: Any, code: str, press_when: str,
+                  press: Callable[[], object] | None = None) -> dict[str, str]:
+    """Run ``code`` in the kernel; press the stop button (interrupt; or ``press``) once rank 0
+    printed ``press_when``. The status is "gone" when the kernel ended before it replied."""
     msg_id = client.execute(code)
     text = {"stdout": "", "stderr": ""}
     pressed = False
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
-        message = client.get_iopub_msg(timeout=deadline - time.monotonic())
+        try:
+            message = client.get_iopub_msg(timeout=1)
+        except queue.Empty:
+            if manager.is_alive():
+                continue
+            return {**text, "status": "gone"}  # the kernel ended (SIGTERM) without going idle
         if message["parent_header"].get("msg_id") != msg_id:
             continue
         if message["msg_type"] == "stream":
             text[message["content"]["name"]] += message["content"]["text"]
             if not pressed and press_when in text["stdout"]:
                 pressed = True
-                manager.interrupt_kernel()
+                (press or manager.interrupt_kernel)()
         elif message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
             break
-    reply = client.get_shell_msg(timeout=30)
+    try:
+        reply = client.get_shell_msg(timeout=30 if press is None else 5)
+    except queue.Empty:
+        return {**text, "status": "gone"}
     return {**text, "status": reply["content"]["status"]}

@@ -16,8 +16,10 @@ launch like the stop button, which also leaves nothing behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -48,4 +50,7 @@ def sigterm_as_stop() -> Iterator[None]:
     finally:
         signal.signal(signal.SIGTERM, previous)
         if received:
+            for stream in (sys.stdout, sys.stderr):  # a kernel's streams are buffered: the cell's last lines
+                with contextlib.suppress(Exception):
+                    stream.flush()
             os.kill(os.getpid(), signal.SIGTERM)  # the kernel's own handling, now that no rank is left
