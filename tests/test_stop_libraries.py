@@ -100,17 +100,21 @@ def trainer_stopped_at(stopped: LaunchResult) -> tuple[int, float]:
     return k, saved
 
 
-def assert_trainer_resumed(resumed: LaunchResult, k: int, saved: float) -> None:
+def assert_trainer_resumed(stopped: LaunchResult, resumed: LaunchResult, k: int, saved: float) -> None:
     """Every rank of the resumed run began with the saved weights at step k + 1 and trained to its end."""
     for rank in (0, 1):
         assert resumed.values[rank][:4] == (k + MORE_STEPS, k + 1, None, saved)
+    # Saved after an optimizer step, not between two accumulated batches (whose gradients a
+    # checkpoint does not keep): the resumed run's first step accumulates two batches too.
+    assert [r.values[rank][5] for r in (stopped, resumed) for rank in (0, 1)] == [2, 2, 2, 2]
 
 
 # ── Hugging Face Trainer ─────────────────────────────────────────────────────────────────────
-def hf_train(output_dir: str, max_steps: int) -> tuple[int, int | None, int | None, float, float]:
-    """The Trainer as its examples run it, resuming from the last checkpoint when there is one.
-    Returns the last global step, the first step this run trained, where the callback stopped, and
-    a checksum of the weights when training began (after a resume loaded them) and ended."""
+def hf_train(output_dir: str, max_steps: int) -> tuple[int, int | None, int | None, float, float, int]:
+    """The Trainer as its examples run it, two batches an optimizer step, resuming from the last
+    checkpoint when there is one. Returns the last global step, the first step this run trained,
+    where the callback stopped, a checksum of the weights when training began (after a resume
+    loaded them) and ended, and how many batches the first optimizer step accumulated."""
     import os
 
     import torch
@@ -121,10 +125,15 @@ def hf_train(output_dir: str, max_steps: int) -> tuple[int, int | None, int | No
 
     class ReportSteps(TrainerCallback):  # the test's view of the run: which steps it trained, from which weights
         first_step: int | None = None
+        batches_in_first_step = 1
         began_with = 0.0
 
         def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             self.began_with = checksum(kwargs["model"])
+
+        def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:  # a batch accumulated
+            if self.first_step is None:
+                self.batches_in_first_step += 1
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
             if self.first_step is None:
@@ -137,12 +146,14 @@ def hf_train(output_dir: str, max_steps: int) -> tuple[int, int | None, int | No
     tokens = torch.arange(1, 9)
     data = [{"input_ids": tokens, "labels": tokens} for _ in range(16)]
     args = TrainingArguments(output_dir=output_dir, use_cpu=True, max_steps=max_steps, per_device_train_batch_size=2,
-                             report_to=[], save_strategy="no", disable_tqdm=True, logging_strategy="no")
+                             gradient_accumulation_steps=2, report_to=[], save_strategy="no", disable_tqdm=True,
+                             logging_strategy="no")
     steps, stop = ReportSteps(), accelnb.TrainerSaveOnStop()
     trainer = Trainer(model=model, args=args, train_dataset=data, callbacks=[steps, stop])
     last_checkpoint = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None  # as run_clm.py does
     trainer.train(resume_from_checkpoint=last_checkpoint)
-    return trainer.state.global_step, steps.first_step, stop.stopped_at, steps.began_with, checksum(model)
+    return (trainer.state.global_step, steps.first_step, stop.stopped_at, steps.began_with, checksum(model),
+            steps.batches_in_first_step)
 
 
 def test_hf_trainer_saves_a_checkpoint_on_stop_and_resumes_from_it(tmp_path: Path) -> None:
@@ -152,7 +163,7 @@ def test_hf_trainer_saves_a_checkpoint_on_stop_and_resumes_from_it(tmp_path: Pat
     assert stopped.stopped_by == "a panel's Stop"
     k, saved = trainer_stopped_at(stopped)
     assert sorted(p.name for p in output_dir.iterdir()) == [f"checkpoint-{k}"]
-    assert_trainer_resumed(run_to(hf_train, output_dir, k + MORE_STEPS), k, saved)
+    assert_trainer_resumed(stopped, run_to(hf_train, output_dir, k + MORE_STEPS), k, saved)
 
 
 # ── Lightning ────────────────────────────────────────────────────────────────────────────────
@@ -214,11 +225,7 @@ def test_lightning_saves_a_checkpoint_on_stop_and_resumes_from_it(tmp_path: Path
     k, saved = trainer_stopped_at(stopped)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stopped.ckpt"]
     assert torch.load(tmp_path / "stopped.ckpt", weights_only=False)["global_step"] == k
-    resumed = run_to(lightning_train, tmp_path, k + MORE_STEPS)
-    assert_trainer_resumed(resumed, k, saved)
-    # Saved after an optimizer step, not between two accumulated batches (whose gradients a
-    # checkpoint does not keep): the resumed run's first step accumulates two batches too.
-    assert [r.values[rank][5] for r in (stopped, resumed) for rank in (0, 1)] == [2, 2, 2, 2]
+    assert_trainer_resumed(stopped, run_to(lightning_train, tmp_path, k + MORE_STEPS), k, saved)
 
 
 # ── Accelerate ───────────────────────────────────────────────────────────────────────────────
