@@ -9,7 +9,7 @@ first, and Accelerate's own all-reduce makes the answer the same everywhere. The
 
 Only Accelerate's public methods are used (``set_trigger``, ``check_trigger``); the wrapper is
 installed when the code imports ``accelerate.accelerator`` (never imported for it), and
-tests/test_stop_that_saves.py runs it with the real library.
+tests/test_stop_that_saves.py and tests/test_stop_libraries.py run it with the real library.
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ resume reads it:
   ckpt_path=callback.resume_path())`` resumes.
 
 The libraries are imported when a class is first used (``accelnb.TrainerSaveOnStop``), never
-before: a launch that uses neither pays nothing.
+before: a launch that uses neither pays nothing. tests/test_stop_libraries.py runs both with the
+real libraries on 2 CPU ranks: Stop, the saved step on every rank, and the resume from it.
 """
 
 from __future__ import annotations
