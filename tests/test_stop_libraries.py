@@ -4,9 +4,11 @@ Accelerate loop that checks ``accelerator.check_trigger()``.
 
 Each function below is written the way the library's own examples write a training run, plus the
 one accelnb line (the callback, or nothing at all for Accelerate). A thread of the test presses a
-panel's Stop once the run has ``report()``ed a few steps; the run must save through the library's
-own checkpoint at one step every rank agrees on and return normally, and a second launch must
-resume from that checkpoint with the step after it (at most one step lost).
+panel's Stop (the kernel's stop button for Accelerate) once the run has ``report()``ed a few
+steps; the run must save through the library's own checkpoint at one step every rank agrees on
+and return normally, and a second launch must resume from that checkpoint with the saved weights
+at the step after it (at most one step lost). Both trainers accumulate two batches an optimizer
+step: a checkpoint between two accumulated batches would lose the first one's gradients.
 """
 
 from __future__ import annotations
