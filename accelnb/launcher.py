@@ -208,11 +208,13 @@ def plan_launch(options: LaunchOptions | SettledOptions) -> rank_plan.LaunchPlan
 
 
 def group_starter(settled: SettledOptions, *, persistent: bool, helpers: HelperSource = shared_helper,
-                  the_plan: rank_plan.LaunchPlan | None = None) -> Callable[[int], RankGroup]:
+                  the_plan: rank_plan.LaunchPlan | None = None,
+                  threads: int | None = None) -> Callable[[int], RankGroup]:
     """What starts the ranks of ``settled`` (given a restart count), once everything that can be
     checked before anything starts has been: this machine's plan (``the_plan``, if the caller
     made it already), or the cluster backend's checks (Ray installed, a cluster reachable and big
-    enough). Local workers are forked by a helper from ``helpers``."""
+    enough). Local workers are forked by a helper from ``helpers``, each with ``threads`` threads
+    (default: the cores shared among this launch's ranks)."""
     options = settled.options
     if options.cluster != "local":
         backend = cluster_backend(options.cluster)
@@ -221,7 +223,7 @@ def group_starter(settled: SettledOptions, *, persistent: bool, helpers: HelperS
         return lambda restart_count: backend.start(request, persistent=persistent, restart_count=restart_count)
     local_plan = the_plan or plan_launch(settled)
     return lambda restart_count: start_group(local_plan, options, persistent=persistent, restart_count=restart_count,
-                                             helpers=helpers)
+                                             helpers=helpers, threads=threads)
 
 
 def check_launch(options: LaunchOptions) -> None:
@@ -230,14 +232,15 @@ def check_launch(options: LaunchOptions) -> None:
 
 
 def start_group(the_plan: rank_plan.LaunchPlan, options: LaunchOptions, *, persistent: bool,
-                restart_count: int = 0, helpers: HelperSource = shared_helper) -> WorkerGroup:
+                restart_count: int = 0, helpers: HelperSource = shared_helper,
+                threads: int | None = None) -> WorkerGroup:
     """Fork the workers of ``the_plan``; a bad ``OMP_NUM_THREADS`` or a failed pre-launch check
     (:mod:`accelnb.kernel.doctor.preflight`) fails first, before the port is bound or anything is forked."""
     threads_per_rank(len(the_plan.ranks))
     if restart_count == 0:  # a restart runs on the machine the first attempt was judged on
         preflight(the_plan)
     return start_workers(the_plan, options.master_port, persistent=persistent, quiet=options.quiet,
-                         restart_count=restart_count, helpers=helpers)
+                         restart_count=restart_count, helpers=helpers, threads=threads)
 
 
 def live_metrics_view(all_ranks: bool) -> MetricsView:

@@ -27,6 +27,8 @@ What is not the same as a launch, and why:
 - a trial's payload goes to its ranks through shared memory, never by forking the kernel for the
   launch (``payload_delivery``): forking a process whose other threads run launches could copy a
   lock another thread holds;
+- each rank gets its share of the cores among all the ranks that run at once, not among its
+  trial's ranks only (trials side by side would otherwise ask for several times the cores);
 - ``log_dir=`` gets one TensorBoard run per trial, ``log_dir/trial-N``;
 - ``master_port=`` is refused (the trials run at once, each needs its own port) and so are the
   options of a Ray cluster (a sweep places trials on this machine's GPUs).
@@ -52,6 +54,7 @@ from accelnb.kernel.display.tensorboard_log import TensorBoardLog
 from accelnb.kernel.helper.client import shared_helper
 from accelnb.kernel.helper.payload import check_picklable, pack_call
 from accelnb.kernel.planning.inventory import read_inventory
+from accelnb.kernel.planning.rank_environment import kernel_omp_setting
 from accelnb.kernel.planning.rank_plan import GpuSpec, LaunchPlan
 from accelnb.kernel.planning.selection import current_selection
 from accelnb.kernel.run.attempts import run_attempts
@@ -189,10 +192,12 @@ def run_sweep(fn: Callable[..., Any], configs: Iterable[Any], options: Mapping[s
     table = _live_table(trials)
     publisher = SweepPublisher(trials, lambda trial: describe_config(trial.config, 40))
 
+    threads = _threads_per_rank(layout)
+
     def run_one(trial: Trial, slot: Slot, stop: SweepStop) -> None:
         settled, the_plan = layout.plans[slot.index]
         _run_trial(trial, settled, the_plan, stop, pack=lambda: pack_call(fn, args_of(trial.config), {}),
-                   value_of=value_of, log=logs[trial.index] if logs else None)
+                   value_of=value_of, log=logs[trial.index] if logs else None, threads=threads)
 
     try:
         ending = run_trials(trials, layout.slots, run_one, fail_fast=fail_fast, tick=table.refresh,
@@ -268,6 +273,18 @@ def _cpu_layout(base: LaunchOptions, gpus_per_trial: int, max_concurrent: int | 
     return SweepLayout(slots, {slot.index: (settled, the_plan) for slot in slots})
 
 
+def _threads_per_rank(layout: SweepLayout) -> int | None:
+    """Each rank's threads: the cores shared among every rank of the trials that run at once (a
+    launch alone would give each of its ranks ``cores / its ranks``, and trials side by side would
+    then ask for several times the cores: on 2 cores, under load, four 300-step MLP trials two at
+    a time took 31 s that way and 1.2 s with one thread each, ``benchmarks/bench_sweep.py``). None where the
+    kernel sets ``OMP_NUM_THREADS``: that stays every rank's, as for a launch."""
+    if kernel_omp_setting() is not None:
+        return None
+    ranks = sum(len(layout.plans[slot.index][1].ranks) for slot in layout.slots)
+    return max(1, (os.cpu_count() or 1) // max(1, ranks))
+
+
 def _open_logs(log_dir: str | os.PathLike[str] | None, count: int) -> list[TensorBoardLog]:
     if log_dir is None:
         return []
@@ -291,11 +308,12 @@ def _live_table(trials: Trials) -> Any:
 
 # ── one trial, on its slot's thread ──────────────────────────────────────────────────────────
 def _run_trial(trial: Trial, settled: SettledOptions, the_plan: LaunchPlan, stop: SweepStop, *,
-               pack: Callable[[], Any], value_of: Callable[[Any], Any], log: TensorBoardLog | None) -> None:
+               pack: Callable[[], Any], value_of: Callable[[Any], Any], log: TensorBoardLog | None,
+               threads: int | None) -> None:
     """Launch one trial as :func:`accelnb.launcher.launch_with` would, and record how it ended.
     Raises nothing: a failure is the trial's ``error``."""
     options = settled.options
-    starter = group_starter(settled, persistent=False, helpers=shared_helper, the_plan=the_plan)
+    starter = group_starter(settled, persistent=False, helpers=shared_helper, the_plan=the_plan, threads=threads)
 
     def start(restart_count: int) -> RankGroup:
         if stop.requested.is_set():

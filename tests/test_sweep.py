@@ -147,6 +147,19 @@ def test_two_rank_trials_are_ddp_groups_of_their_own() -> None:
     assert [t.value[:2] for t in trials] == [(2, 21.0), (2, 41.0), (2, 61.0)]  # rank 0 + rank 1, each + config
 
 
+def threads_trial(config: int) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_trials_side_by_side_share_the_cores() -> None:
+    if os.environ.get("OMP_NUM_THREADS"):
+        pytest.skip("the kernel's OMP_NUM_THREADS is every rank's thread count, in a sweep as in a launch")
+    trials = accelnb.sweep(threads_trial, [0, 1, 2], cpu=True, max_concurrent=2)
+    assert [t.value for t in trials] == [max(1, (os.cpu_count() or 1) // 2)] * 3  # a launch alone: all the cores
+
+
 def test_gpu_trials_own_their_slot_and_no_gpu_runs_two_at_once() -> None:
     trials = accelnb.sweep(timed_trial, list(range(6)), gpus_per_trial=2, inventory=synthetic_inventory(5),
                            backend="gloo")

@@ -115,12 +115,7 @@ export class GpuPanelView extends Widget {
 
   private _gpuTable(gpus: IGpu[], selection: ISelection, trials: Map<number, ITrial>): HTMLTableElement {
     const chosen = new Set(selection.gpus ?? []);
-    const table = el('table', 'accelnb-GpuPanel-gpus') as HTMLTableElement;
-    const head = table.createTHead().insertRow();
-    for (const title of ['', '#', 'GPU']) {
-      head.appendChild(el('th', '', title));
-    }
-    const body = table.createTBody();
+    const [table, body] = headedTable('accelnb-GpuPanel-gpus', ['', '#', 'GPU']);
     for (const gpu of gpus) {
       const row = body.insertRow();
       row.dataset.gpu = String(gpu.index);
@@ -185,12 +180,7 @@ export class GpuPanelView extends Widget {
       ? `Last sweep: ${sweep.trials.length} trials`
       : `Sweep: ${running} running, ${queued} queued`;
     section.appendChild(el('div', 'accelnb-GpuPanel-runTitle', title));
-    const table = el('table', 'accelnb-GpuPanel-trials') as HTMLTableElement;
-    const head = table.createTHead().insertRow();
-    for (const name of ['Trial', 'GPUs', 'State', 'Config']) {
-      head.appendChild(el('th', '', name));
-    }
-    const body = table.createTBody();
+    const [table, body] = headedTable('accelnb-GpuPanel-trials', ['Trial', 'GPUs', 'State', 'Config']);
     for (const trial of sweep.trials) {
       const row = body.insertRow();
       row.dataset.trial = String(trial.index);
@@ -215,12 +205,7 @@ export class GpuPanelView extends Widget {
     }
     const title = run.finished ? 'Last run: finished' : 'Run in progress';
     section.appendChild(el('div', 'accelnb-GpuPanel-runTitle', title));
-    const table = el('table', 'accelnb-GpuPanel-ranks') as HTMLTableElement;
-    const head = table.createTHead().insertRow();
-    for (const name of ['Rank', 'Device', 'State', 'PID', 'Progress']) {
-      head.appendChild(el('th', '', name));
-    }
-    const body = table.createTBody();
+    const [table, body] = headedTable('accelnb-GpuPanel-ranks', ['Rank', 'Device', 'State', 'PID', 'Progress']);
     for (const rank of run.ranks) {
       const row = body.insertRow();
       row.dataset.rank = String(rank.rank);
@@ -305,4 +290,14 @@ function trialsByGpu(sweep: ISweep | null): Map<number, ITrial> {
     }
   }
   return byGpu;
+}
+
+/** A table of this class with one header row of these titles, and its (empty) body. */
+function headedTable(className: string, titles: string[]): [HTMLTableElement, HTMLTableSectionElement] {
+  const table = el('table', className) as HTMLTableElement;
+  const head = table.createTHead().insertRow();
+  for (const title of titles) {
+    head.appendChild(el('th', '', title));
+  }
+  return [table, table.createTBody()];
 }

@@ -124,9 +124,11 @@ _last_result: LaunchResult | None = None
 
 def start_workers(the_plan: rank_plan.LaunchPlan, master_port: int | None, *, persistent: bool,
                   quiet: bool, on_step: StepHook | None = None, restart_count: int = 0,
-                  helpers: HelperSource = shared_helper) -> WorkerGroup:
+                  helpers: HelperSource = shared_helper, threads: int | None = None) -> WorkerGroup:
     """Bind the rendezvous port and have a helper from ``helpers`` fork one worker per rank of
-    ``the_plan`` (for attempt ``restart_count`` of a launch with restarts).
+    ``the_plan`` (for attempt ``restart_count`` of a launch with restarts). ``threads``: each
+    rank's thread budget (default: the machine's cores shared among this launch's ranks; a sweep,
+    whose launches run at once, shares them among all of its ranks).
 
     An interrupt at any moment of this leaves no worker and no fd behind, and surfaces as
     :class:`~accelnb.errors.RunInterrupted`. ``on_step`` is for tests (see ``WorkerGroup``).
@@ -139,7 +141,7 @@ def start_workers(the_plan: rank_plan.LaunchPlan, master_port: int | None, *, pe
         _step(on_step, "helper-ready")
         router = OutputRouter(live_ranks={0}, prefix=False, sink=notebook_sink)
         group = WorkerGroup(the_plan, helper, router, persistent=persistent, on_step=on_step)
-        group.start(worker_specs(the_plan, persistent, restart_count), store_socket)
+        group.start(worker_specs(the_plan, persistent, restart_count, threads=threads), store_socket)
         if not quiet:
             notebook_sink("stdout", describe_start(the_plan, [w.pid for w in group.workers]) + "\n")
         _step(on_step, "started")
