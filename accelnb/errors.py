@@ -220,7 +220,8 @@ def _rank_failed_class_like(original: type[BaseException] | None) -> type[RankFa
             "__qualname__": f"RankFailed[{original.__qualname__}]",
             "original_type": original,
         })
-    except TypeError:  # incompatible instance layouts (some C exception types, e.g. OSError)
+        typed.__new__(typed)  # OSError's family combines, then refuses to be made by RuntimeError's __new__
+    except TypeError:  # incompatible instance layouts or constructors (some C exception types, e.g. OSError)
         typed = RankFailed
     _RANK_FAILED_LIKE[original] = typed
     return typed

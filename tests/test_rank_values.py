@@ -242,3 +242,17 @@ def read_to_end(fd: int) -> bytes:
         if not chunk:
             return b"".join(chunks)
         chunks.append(chunk)
+
+
+def open_a_missing_file() -> None:
+    open("/nonexistent/accelnb/checkpoint-7/trainer_state.json")  # noqa: SIM115 - it raises
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_an_oserror_in_a_rank_is_a_rank_failed_naming_it() -> None:
+    # OSError's family combines with RankFailed but cannot be made through it: the launch once
+    # raised a TypeError from accelnb's errors module instead of the rank's FileNotFoundError.
+    with pytest.raises(accelnb.RankFailed) as failed:
+        accelnb.launch(open_a_missing_file, num_processes=2, cpu=True, quiet=True)
+    assert "FileNotFoundError" in str(failed.value) and "checkpoint-7" in str(failed.value)
+    assert failed.value.root_cause is not None and failed.value.root_cause.rank in (0, 1)

@@ -79,7 +79,7 @@ class LaunchResult:
     # times, GPU samples, peak host memory (``kernel/display/rank_activity.py``).
     ranks: dict[int, RankSummary] = field(default_factory=dict, repr=False)
     # What asked the run to stop, when the code answered a Stop (``stop_requested()``) by returning:
-    # "the stop button", "a panel's Stop", "SIGTERM", "timeout=60 s passed". None: it ran to its end.
+    # "the stop button", "a panel's Stop", "SIGTERM", "timeout= passed". None: it ran to its end.
     stopped_by: str | None = None
 
     @property
