@@ -101,8 +101,8 @@ _NOT_IN_A_SWEEP = {
     "cluster": "a sweep places its trials on this machine's GPUs",
     "nodes": "a sweep places its trials on this machine's GPUs",
     "gpus_per_node": "a sweep places its trials on this machine's GPUs",
-    "config_file": "its GPUs would place every trial on the same GPUs; pass mixed_precision= and the "
-                   "pool (gpus=) as keywords",
+    "config_file": "a config file places the ranks of one launch; pass its mixed_precision= as a keyword, "
+                   "and the GPUs the trials share as gpus=",
     "output": "each trial's output is kept with the trial (trial.output()), and the cell shows the table of trials",
     "collect": "a trial's value is what its function returned on rank 0",
     "quiet": "the cell shows the table of trials, never a trial's start table",

@@ -173,6 +173,18 @@ def test_gpu_trials_own_their_slot_and_no_gpu_runs_two_at_once() -> None:
                 assert a.value[2] <= b.value[1] or b.value[2] <= a.value[1], (a, b)
 
 
+def test_the_pickers_selection_is_the_default_pool() -> None:
+    from accelnb.kernel.planning.selection import clear_selection, set_selection
+
+    set_selection(gpus=[1, 3])
+    try:
+        trials = accelnb.sweep(timed_trial, [0, 1, 2], inventory=synthetic_inventory(4), backend="gloo")
+    finally:
+        clear_selection()
+    assert all(t.ok for t in trials) and {t.gpus for t in trials} <= {(1,), (3,)}, [(t.gpus, t.error) for t in trials]
+    assert {t.value[0] for t in trials} <= {"1", "3"}
+
+
 def test_the_side_panel_hears_which_trial_each_gpu_runs() -> None:
     seen: list[dict[int, int]] = []
     unsubscribe = on_sweep_change(lambda state: seen.append(
