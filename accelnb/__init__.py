@@ -46,7 +46,7 @@ if TYPE_CHECKING:  # what each public name is, for type checkers and editors; im
     from accelnb.launcher import last_result, launch, notebook_launcher, plan
     from accelnb.other_launchers import spawn, torchrun
     from accelnb.session import Session
-    from accelnb.sweep import Trial, Trials, sweep
+    from accelnb.sweeper import Trial, Trials, sweep
     from accelnb.worker.accelerate_tracker import AccelerateTracker
     from accelnb.worker.progress import progress
     from accelnb.worker.report import report
@@ -97,9 +97,9 @@ _DEFINED_IN: dict[str, str] = {
     "torchrun": "accelnb.other_launchers",
     "plan": "accelnb.launcher",
     "Session": "accelnb.session",
-    "sweep": "accelnb.sweep",
-    "Trial": "accelnb.sweep",
-    "Trials": "accelnb.sweep",
+    "sweep": "accelnb.sweeper",
+    "Trial": "accelnb.sweeper",
+    "Trials": "accelnb.sweeper",
     "AccelerateTracker": "accelnb.worker.accelerate_tracker",
     "progress": "accelnb.worker.progress",
     "report": "accelnb.worker.report",

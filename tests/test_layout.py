@@ -49,15 +49,15 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "accelnb.other_launchers": ("accelnb.launcher", "accelnb.options", "accelnb.errors", "accelnb.wire",
                                 "accelnb.kernel"),
     "accelnb.session": ("accelnb.launcher", "accelnb.options", "accelnb.errors", "accelnb.wire", "accelnb.kernel"),
-    "accelnb.sweep": ("accelnb.launcher", "accelnb.options", "accelnb.errors", "accelnb.wire", "accelnb.kernel",
-                      "accelnb.notebook.sweep_table"),  # the live table, wired in lazily as the launcher's chart
+    "accelnb.sweeper": ("accelnb.launcher", "accelnb.options", "accelnb.errors", "accelnb.wire", "accelnb.kernel",
+                        "accelnb.notebook.sweep_table"),  # the live table, wired in lazily as the launcher's chart
     # No worker module: the cell contract %%distributed shares with the ranks is wire/cell_contract.
     "accelnb.notebook": ("accelnb.notebook", "accelnb.launcher", "accelnb.other_launchers", "accelnb.session",
-                         "accelnb.sweep",
+                         "accelnb.sweeper",
                          "accelnb.options",
                          "accelnb.errors", "accelnb.wire", "accelnb.kernel"),
     "accelnb": ("accelnb.errors", "accelnb.kernel", "accelnb.launcher", "accelnb.other_launchers", "accelnb.session",
-                "accelnb.sweep",
+                "accelnb.sweeper",
                 "accelnb.notebook",
                 "accelnb.worker"),  # worker: the API a rank calls (report, progress, restart_count, ...)
     "accelnb.demo": ("accelnb",),
@@ -171,9 +171,9 @@ def test_imports_point_down(path: Path) -> None:
 
 def test_every_module_lives_in_a_folder_that_says_where_it_runs() -> None:
     top_level = sorted(p.stem for p in PACKAGE.glob("*.py"))
-    # The public entry points (launcher, other_launchers, session, sweep, demo) and what they share (options, errors).
+    # The public entry points (launcher, other_launchers, session, sweeper, demo) and what they share (options, errors).
     assert top_level == ["__init__", "demo", "errors", "launcher", "options", "other_launchers", "session",
-                         "sweep"], top_level
+                         "sweeper"], top_level
     folders = sorted(p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists())
     assert folders == ["cluster", "kernel", "notebook", "wire", "worker"]
 
@@ -222,8 +222,8 @@ def test_the_cycle_check_finds_a_cycle() -> None:
     ("accelnb.launcher", "from accelnb.worker.main import main\n"),
     ("accelnb.session", "from accelnb.notebook.panel import Panel\n"),
     ("accelnb.session", "from accelnb.cluster import cluster_backend\n"),
-    ("accelnb.sweep", "from accelnb.notebook.panel import Panel\n"),
-    ("accelnb.kernel.sweep.scheduler", "from accelnb.sweep import sweep\n"),
+    ("accelnb.sweeper", "from accelnb.notebook.panel import Panel\n"),
+    ("accelnb.kernel.sweep.scheduler", "from accelnb.sweeper import sweep\n"),
     ("accelnb.notebook.magic", "from accelnb.worker.main import main\n"),
     ("accelnb.notebook.panel", "from accelnb.cluster import cluster_backend\n"),
     ("accelnb.demo", "from accelnb.kernel.run.engine import start_workers\n"),

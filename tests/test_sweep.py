@@ -115,6 +115,14 @@ def test_the_table_shows_each_trial_and_a_failures_root_cause() -> None:
     assert html.startswith("<!-- accelnb-sweep -->") and "rank 0: ValueError: diverged" in html
 
 
+def test_accelnb_sweep_is_the_function_once_its_module_is_imported_too() -> None:
+    import importlib
+    import inspect
+
+    importlib.import_module("accelnb.sweeper")  # a submodule sets its name on the package: not "sweep"
+    assert inspect.isfunction(accelnb.sweep) and accelnb.sweep.__module__ == "accelnb.sweeper"
+
+
 # ── real trials ───────────────────────────────────────────────────────────────────────────────
 def test_one_rank_trials_run_two_at_a_time_and_come_back_in_config_order() -> None:
     configs = [{"lr": 0.1}, {"lr": 0.2}, {"lr": 0.3, "fail": True}, {"lr": 0.4}]

@@ -23,7 +23,7 @@ from dataclasses import replace
 from typing import Any
 
 from accelnb.kernel.sweep.trials import Trials
-from accelnb.sweep import run_sweep
+from accelnb.sweeper import run_sweep
 from accelnb.wire.cell_contract import RUN_CELL, CellOutcome, CellRequest
 from accelnb.wire.result_pickling import loads_in_kernel
 

@@ -5,5 +5,5 @@
 - ``scheduler``: the trial threads, the queue, and one stop for all of them;
 - ``sweep_state``: which trial each slot runs, for the side panel.
 
-The public function, which wires the launch engine and the cell's table in, is :mod:`accelnb.sweep`.
+The public function, which wires the launch engine and the cell's table in, is :mod:`accelnb.sweeper`.
 """
