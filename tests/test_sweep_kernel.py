@@ -7,8 +7,11 @@ own output. The magic runs its cell once per config with ``config`` bound.
 
 from __future__ import annotations
 
+import time
+from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 from tests.conftest import start_repo_kernel
@@ -44,23 +47,23 @@ MAGIC_CELLS = ["%load_ext accelnb", "configs = [{'x': 1}, {'x': 2}, {'x': 3}]\nc
                "%%distributed --sweep nothing_here --cpu\n1", "%%distributed --best loss --cpu --procs 1\n1"]
 
 
+def _collect(client: Any, msg_id: str) -> list[dict[str, Any]]:
+    """The cell's IOPub messages until the kernel is idle again."""
+    messages = []
+    while True:
+        message = client.get_iopub_msg(timeout=180)
+        if message["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append(message)
+        if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+            return messages
+
+
 def run_cells(cells: list[str]) -> list[list[dict[str, Any]]]:
     """Each cell's IOPub messages, in one fresh kernel."""
     manager, client = start_repo_kernel()
     try:
-        per_cell = []
-        for code in cells:
-            msg_id = client.execute(code)
-            messages = []
-            while True:
-                message = client.get_iopub_msg(timeout=180)
-                if message["parent_header"].get("msg_id") != msg_id:
-                    continue
-                messages.append(message)
-                if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
-                    break
-            per_cell.append(messages)
-        return per_cell
+        return [_collect(client, client.execute(code)) for code in cells]
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
@@ -99,3 +102,39 @@ def test_the_cell_shows_one_table_updated_in_place_and_the_magic_binds_config() 
     # IPython shows a UsageError as one line on stderr, no traceback
     assert "UsageError: --sweep nothing_here: no 'nothing_here' in the notebook" in _printed(missing), missing
     assert "UsageError: --best apply to a sweep: add --sweep NAME" in _printed(no_sweep), no_sweep
+
+
+STOPPED_CELL = """%%distributed --sweep configs --cpu --max-concurrent 2
+import os, pathlib, time
+if config.get("mark"):
+    pathlib.Path(config["mark"]).write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+config["value"]
+"""
+
+
+def test_the_stop_button_ends_every_running_trial_and_keeps_the_finished_ones(tmp_path: Path) -> None:
+    marks = [tmp_path / "a", tmp_path / "b"]
+    configs = [{"value": 1}, {"mark": str(marks[0])}, {"mark": str(marks[1])}, {"value": 4}]
+    manager, client = start_repo_kernel()
+    try:
+        _collect(client, client.execute(f"%load_ext accelnb\nconfigs = {configs!r}"))
+        msg_id = client.execute(STOPPED_CELL)
+        deadline = time.monotonic() + 120
+        while not all(mark.exists() and mark.read_text() for mark in marks):  # both trials run
+            assert time.monotonic() < deadline, "the trials never started"
+            time.sleep(0.05)
+        pids = [int(mark.read_text()) for mark in marks]
+        manager.interrupt_kernel()  # the notebook's Stop button
+        stopped = _collect(client, msg_id)
+        # the cell answered: by then the trials' ranks are gone (the kernel still runs, and its helper)
+        alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
+        check = _collect(client, client.execute("print([(t.state, t.value) for t in _sweep])"))
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+    error = next(m["content"] for m in stopped if m["msg_type"] == "error")
+    assert "accelnb stopped the sweep: 2 running trial(s) ended" in "".join(error["traceback"]), error
+    assert "[('done', 1), ('stopped', None), ('stopped', None), ('skipped', None)]" in _printed(check)
+    assert alive == []
