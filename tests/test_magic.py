@@ -187,6 +187,7 @@ SAMPLES = {  # a flag's text, and the value LaunchOptions must get from it
     "gpus_per_rank": ("2", 2), "config_file": ("fsdp.yaml", "fsdp.yaml"), "ranks": ("0,2", [0, 2]),
     "cluster": ("ray", "ray"), "nodes": ("2", 2), "gpus_per_node": ("4", 4), "group_timeout": ("90", 90.0),
     "stall_timeout": ("30", 30.0),
+    "stop_grace": ("30", 30.0),
 }
 
 
