@@ -15,6 +15,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import comm
@@ -283,6 +284,36 @@ def test_stop_ends_a_real_run_and_leaves_no_process(make_panel: Callable[..., Pa
     assert panel.stop_button.disabled and panel.run_title.value.startswith("<b>Last run</b>")
     # Ranks the Stop button ended were stopped, not failed: their SIGTERM exit is ours.
     assert [row.phase.value for row in panel.rank_rows.values()] == ["stopped", "stopped"]
+
+
+def test_stop_asks_code_that_checks_to_save_then_offers_stop_now(make_panel: Callable[..., Panel], tmp_path: Path,
+                                                                  no_leftovers: None) -> None:
+    from tests.stop_targets import train_until_stopped
+
+    panel = make_panel(Inventory(source="none"))
+    seen: list[tuple[str, bool, str]] = []
+
+    def record(run: run_state.RunState | None) -> None:  # subscribed after the panel: sees what it shows
+        seen.append((panel.stop_button.description, panel.stop_button.disabled, panel.run_title.value))
+
+    def click_at_step_5(batch: Any) -> None:  # the launch's metric sink: rank 0 reported step 5
+        if not clicked and any(step is not None and step >= 5 for step, _, _ in batch.records):
+            clicked.append(True)
+            threading.Thread(target=panel.stop_button.click).start()  # a browser click, from the comm thread
+
+    clicked: list[bool] = []
+    unsubscribe = run_state.on_run_change(record)
+    try:
+        result = launch(train_until_stopped, (str(tmp_path),), num_processes=2, cpu=True, quiet=True,
+                        metric_sink=click_at_step_5)
+    finally:
+        unsubscribe()
+    assert result.stopped_by == "a panel's Stop"
+    pending = [entry for entry in seen if entry[0] == "Stop now"]
+    assert pending and not pending[0][1]  # the second press is offered, enabled
+    assert "stop requested (a panel's Stop): ranks are saving" in pending[0][2]
+    assert panel.stop_button.disabled and panel.run_title.value.startswith("<b>Last run</b>")
+    assert [row.phase.value for row in panel.rank_rows.values()] == ["done", "done"]
 
 
 def test_every_run_gets_a_new_id() -> None:

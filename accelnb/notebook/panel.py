@@ -267,6 +267,8 @@ class Panel(widgets.VBox):
             stopping = run.stop_requested.is_set()
             self.stop_button.disabled = run.finished or stopping
             self.stop_button.description = "Stopping…" if stopping and not run.finished else "Stop run"
+            if run.stop_pending is not None and not run.finished and not stopping:  # the ranks are saving
+                self.stop_button.description = "Stop now"
             self.stacks_button.disabled = run.finished or run.collect_stacks is None or self._reading_stacks
             unsupported = (kernel_messages.running_in_kernel()
                            and not kernel_messages.comm_messages_supported())
@@ -414,7 +416,10 @@ def _run_title(run: run_state.RunState) -> str:
     phases = [r.phase for r in run.ranks]
     counts = ", ".join(f"{phases.count(p)} {p}" for p in dict.fromkeys(phases))
     when = "Last run" if run.finished else "Run in progress"
-    return f"<b>{when}</b> · {len(phases)} ranks · {counts}"
+    saving = ""
+    if run.stop_pending and not run.finished:
+        saving = f" · stop requested ({run.stop_pending}): ranks are saving"
+    return f"<b>{when}</b> · {len(phases)} ranks · {counts}{saving}"
 
 
 def _close_tree(children: list[Any]) -> None:

@@ -63,6 +63,9 @@ class RunState:
     finished: bool = False
     stop_requested: threading.Event = field(default_factory=threading.Event, repr=False)
     stop_asked_by: str = "a panel's Stop"  # what set stop_requested, for the cell's message
+    # The ranks were asked to stop at their next stop_requested() check, by this press, and are
+    # saving: a display offers "Stop now" (the second press). None: no request is pending.
+    stop_pending: str | None = None
     # Every live rank's current stacks without stopping anything; safe from any thread (the
     # supervisor's WorkerGroup.collect_stacks). None for a run that cannot be asked.
     collect_stacks: Callable[[float], dict[int, str]] | None = field(default=None, repr=False)

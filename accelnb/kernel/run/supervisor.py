@@ -223,6 +223,9 @@ class WorkerGroup:
     def _show_request(self, by: str) -> None:
         self.output.tick(force=True)  # what the ranks printed before comes first
         notebook_sink("stderr", REQUEST_MESSAGE.format(by=by))
+        if self.run is not None:  # the panels offer the second press
+            self.run.stop_pending = by
+            run_state.publish()
 
     def _between_pumps(self, answers: CallAnswers) -> float:
         """The wait loop's idle work: a rank's prompt first (the seconds at it come back), else
