@@ -173,6 +173,25 @@ def _session_run_pressing(session: Session, checkpoints: Path, presser: PressAtS
     return session.run(train_until_stopped, (str(checkpoints),), metric_sink=presser)
 
 
+def check_then_clean_up(destroy: bool) -> bool:
+    import torch.distributed as dist
+
+    import accelnb
+
+    answers = [accelnb.stop_requested() for _ in range(5)]
+    if destroy:
+        dist.destroy_process_group()  # the DDP tutorial's cleanup()
+    return any(answers)
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_session_call_that_destroys_the_group_leaves_the_next_calls_checks_working() -> None:
+    with Session.start(num_processes=2, cpu=True, quiet=True) as session:
+        assert session.run(check_then_clean_up, (True,)).values == {0: False, 1: False}
+        assert session.run(check_then_clean_up, (False,)).values == {0: False, 1: False}
+        assert session.run(check_then_clean_up, (True,)).values == {0: False, 1: False}
+
+
 @pytest.mark.usefixtures("no_leftovers")
 def test_a_restart_resumes_from_the_checkpoint_by_the_same_code(tmp_path: Path) -> None:
     result = accelnb.launch(train_saving_every, (str(tmp_path), 30, 5, 12), num_processes=2, cpu=True, quiet=True,

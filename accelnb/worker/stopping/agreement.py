@@ -101,6 +101,12 @@ def end_call(returned: bool) -> None:
     pending, _checks.pending = _checks.pending, None
     if pending is None:
         return
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.group.WORLD is not _world:  # the code destroyed the groups (cleanup())
+        _abandoned.append(_group)
+        _group = None
+        return
     if not returned:
         _abandoned.append(_group)  # never destroyed: its destructor would wait for the unfinished all-reduce
         _group = None
