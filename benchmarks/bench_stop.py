@@ -1,6 +1,7 @@
-"""What ``accelnb.stop_requested()`` costs a training step, and how soon a Stop is answered (issue 27).
+"""What ``accelnb.stop_requested()`` costs a training step, how soon a Stop is answered, and what a
+SIGTERM saves under torchrun and under accelnb (issue 27).
 
-    python benchmarks/bench_stop.py [--blocks 8] [--write]
+    python benchmarks/bench_stop.py [--blocks 8] [--peer-runs 5] [--write]
 
 A DDP loop on 2 CPU ranks (gloo), Adam, batch 64, in one launch. Inside each rank, blocks of
 steps alternate between three loops, so a burst of load on this 2-core machine hits all three:
@@ -142,9 +143,104 @@ def train_until_stopped(loop: str) -> int:
         step += 1
 
 
+PEER_LOOP = """
+import os, sys, signal, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+def build():
+    torch.manual_seed(0)
+    model = DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
+                                                        torch.nn.Linear(256, 10)))
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+def save(out, rank, step, model):
+    torch.save({"step": step, "weights": [p.detach().clone() for p in model.module.parameters()]},
+               os.path.join(out, f"rank{rank}.pt"))
+"""
+
+# torchrun: what people write for pre-emption, a SIGTERM handler that saves where the rank is.
+TORCHRUN_SCRIPT = PEER_LOOP + """
+def main(out):
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    model, optimizer = build()
+    state = {"step": 0}
+    def on_sigterm(signum, frame):
+        save(out, rank, state["step"], model)
+        sys.exit(0)
+    signal.signal(signal.SIGTERM, on_sigterm)
+    data, target = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    while True:
+        loss = torch.nn.functional.cross_entropy(model(data), target)
+        optimizer.zero_grad(); loss.backward(); optimizer.step()
+        state["step"] += 1
+        if rank == 0 and state["step"] % 100 == 0:
+            print("step", state["step"], flush=True)
+
+main(sys.argv[1])
+"""
+
+# accelnb: the same loop, checking stop_requested() each step; the script gets SIGTERM.
+ACCELNB_SCRIPT = PEER_LOOP + """
+def train(out):
+    import accelnb
+    rank = dist.get_rank()
+    model, optimizer = build()
+    data, target = torch.randn(64, 64), torch.randint(0, 10, (64,))
+    step = 0
+    while True:
+        loss = torch.nn.functional.cross_entropy(model(data), target)
+        optimizer.zero_grad(); loss.backward(); optimizer.step()
+        step += 1
+        if rank == 0 and step % 100 == 0:
+            print("step", step, flush=True)
+        if accelnb.stop_requested():
+            save(out, rank, step, model)
+            return step
+
+if __name__ == "__main__":
+    from accelnb import notebook_launcher
+    notebook_launcher(train, (sys.argv[1],), 2, cpu=True, quiet=True)
+"""
+
+
+def sigterm_peer(kind: str, press_at: int = 300) -> tuple[bool, bool, bool, float]:
+    """SIGTERM to the launching process (torchrun, or a script calling accelnb) once rank 0 printed
+    ``press_at``; (both ranks saved, at the same step, with the same weights; seconds to exit)."""
+    import subprocess
+    import tempfile
+
+    import torch
+
+    with tempfile.TemporaryDirectory() as out:
+        script = os.path.join(out, "train.py")
+        with open(script, "w") as f:
+            f.write(TORCHRUN_SCRIPT if kind == "torchrun" else ACCELNB_SCRIPT)
+        command = ([os.path.join(os.path.dirname(sys.executable), "torchrun"), "--nproc-per-node", "2", script, out]
+                   if kind == "torchrun" else [sys.executable, script, out])
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
+                                   env=dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1"))
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.strip() == f"step {press_at}":
+                break
+        pressed = time.perf_counter()
+        process.terminate()
+        process.wait(120)
+        seconds = time.perf_counter() - pressed
+        saved = [torch.load(os.path.join(out, f"rank{r}.pt")) for r in (0, 1)
+                 if os.path.exists(os.path.join(out, f"rank{r}.pt"))]
+    both = len(saved) == 2
+    same_step = both and saved[0]["step"] == saved[1]["step"]
+    same_weights = both and all(torch.equal(mine, theirs)
+                                for mine, theirs in zip(saved[0]["weights"], saved[1]["weights"], strict=True))
+    return both, same_step, same_weights, seconds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blocks", type=int, default=8)
+    parser.add_argument("--peer-runs", type=int, default=5)
     parser.add_argument("--write", action="store_true")
     args = parser.parse_args()
     from accelnb import launch
@@ -166,6 +262,11 @@ def main() -> None:
         for press_at in (50, 150, 300):
             seconds, after = stop_latency(loop, press_at)
             latencies.append(f"| {loop} | {press_at} | {seconds:.2f} | {after} |")
+    peers = []
+    for kind in ("torchrun", "accelnb"):
+        outcomes = [sigterm_peer(kind) for _ in range(args.peer_runs)]
+        peers.append(f"| {kind} | {args.peer_runs} | {sum(o[0] for o in outcomes)} | {sum(o[1] for o in outcomes)} | "
+                     f"{sum(o[2] for o in outcomes)} | {statistics.median(o[3] for o in outcomes):.2f} |")
     load_after = os.getloadavg()
     stamp = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     import torch
@@ -195,6 +296,16 @@ def main() -> None:
         "| loop | pressed at step | press to end, s | steps after |",
         "| --- | --: | --: | --: |",
         *latencies,
+        "",
+        "Pre-emption, against the peer: SIGTERM to the launching process once rank 0 printed step 300, the "
+        "small loop (SGD) on 2 ranks. torchrun forwards SIGTERM to each rank, whose handler saves where that "
+        "rank is (the usual pre-emption code); accelnb's script checks stop_requested() each step. Counted: "
+        "runs where both ranks saved, where they saved the same step, and where their saved weights are "
+        "identical (DDP keeps them so at every step boundary: a difference is a step torn or missed).",
+        "",
+        "| launcher | runs | both ranks saved | same step | same weights | SIGTERM to exit, median s |",
+        "| --- | --: | --: | --: | --: | --: |",
+        *peers,
     ])
     print(text)
     if args.write:
