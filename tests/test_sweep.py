@@ -294,6 +294,20 @@ def test_stop_ends_every_running_trial_and_keeps_the_finished_ones(tmp_path: Pat
     assert [t.state for t in again] == ["done", "done"]  # the next sweep works
 
 
+def sleeps(config: float) -> None:
+    time.sleep(config)
+
+
+def test_launch_options_reach_every_trial(tmp_path: Path) -> None:
+    trials = accelnb.sweep(reporting_trial, [{"lr": 0.1}, {"lr": 0.2}], cpu=True, log_dir=tmp_path / "runs")
+    for trial in trials:  # one TensorBoard run per trial
+        run = tmp_path / "runs" / f"trial-{trial.index}"
+        assert any(name.startswith("events.out.tfevents") for name in os.listdir(run))
+    timed = accelnb.sweep(sleeps, [0.0, 60.0], cpu=True, timeout=1.0)
+    assert [t.state for t in timed] == ["done", "failed"]
+    assert isinstance(timed[1].error, accelnb.LaunchTimeout)  # timeout= is each trial's, as each launch's
+
+
 def test_to_pandas_without_pandas_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pandas", None)  # what an environment without pandas looks like
     with pytest.raises(ImportError, match="needs pandas: pip install pandas"):

@@ -60,9 +60,9 @@ class Trial:
     ended_at: float | None = None  # time.monotonic() when it ended
     result: LaunchResult | None = field(default=None, repr=False)
     notes: tuple[str, ...] = field(default=(), repr=False)
-    _started: float | None = field(default=None, repr=False)
-    _output: OutputRouter | None = field(default=None, repr=False)
-    _latest_rank: dict[str, int] = field(default_factory=dict, repr=False)
+    _started: float | None = field(default=None, init=False, repr=False)
+    _output: OutputRouter | None = field(default=None, init=False, repr=False)
+    _latest_rank: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
     # ── written by the trial's thread ──────────────────────────────────────────────────────────
     def begin(self, gpus: tuple[int, ...]) -> None:
