@@ -308,6 +308,37 @@ def test_launch_options_reach_every_trial(tmp_path: Path) -> None:
     assert isinstance(timed[1].error, accelnb.LaunchTimeout)  # timeout= is each trial's, as each launch's
 
 
+def saves_on_stop(config: dict[str, Any]) -> str:
+    """A trial whose code checks stop_requested() every step: Stop makes it save and return."""
+    import accelnb
+
+    step = 0
+    while not accelnb.stop_requested():
+        if step == 3:
+            Path(config["mark"]).write_text(str(os.getpid()))
+        time.sleep(0.01)
+        step += 1
+    return "saved"
+
+
+def test_stop_lets_a_trial_that_checks_stop_requested_save(tmp_path: Path) -> None:
+    marks = [tmp_path / "saves", tmp_path / "plain"]
+    remove_hook = run_state.add_wait_hook(_interrupt_when_marked(*marks))
+    try:
+        with pytest.raises(RunInterrupted) as info:
+            accelnb.sweep(_saves_or_waits, [{"mark": str(marks[0]), "saves": True}, {"mark": str(marks[1])}],
+                          cpu=True, max_concurrent=2)
+    finally:
+        remove_hook()
+    trials = info.value.trials  # type: ignore[attr-defined]
+    assert [(t.state, t.value) for t in trials] == [("done", "saved"), ("stopped", None)]
+    assert worker_processes() == []
+
+
+def _saves_or_waits(config: dict[str, Any]) -> str:
+    return saves_on_stop(config) if config.get("saves") else marks_then_waits(config)
+
+
 def test_to_pandas_without_pandas_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "pandas", None)  # what an environment without pandas looks like
     with pytest.raises(ImportError, match="needs pandas: pip install pandas"):

@@ -122,8 +122,8 @@ def request_stop(by: str = "a panel's Stop") -> bool:
     heard = len(_stop_listeners) > 0
     _stop_listeners.notify()
     run = _current_run
-    if run is None or run.finished:
-        return heard
+    if heard or run is None or run.finished:  # a listener (a sweep) stops its runs, the current one included:
+        return heard  # setting it again here could read as a second press
     run.stop_asked_by = by
     run.stop_requested.set()
     return True

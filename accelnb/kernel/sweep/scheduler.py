@@ -108,7 +108,7 @@ def run_trials(trials: Sequence[Trial], slots: Sequence[Slot], run_trial: RunTri
                     stop.stop_all()
         except KeyboardInterrupt:
             stop.stop_all()
-            _wait_for_all(ended, running, free, tick)
+            _wait_for_all(ended, running, free, tick, stop)
         for trial in pending:
             trial.skip()
         on_change()
@@ -153,12 +153,14 @@ def _wait_for_one(ended: queue.SimpleQueue[tuple[Trial, Slot]], running: dict[in
 
 
 def _wait_for_all(ended: queue.SimpleQueue[tuple[Trial, Slot]], running: dict[int, threading.Thread],
-                  free: deque[Slot], tick: Callable[[], None]) -> None:
+                  free: deque[Slot], tick: Callable[[], None], stop: SweepStop) -> None:
     """After a stop: until every trial thread ended (each launch stops its ranks by its own ladder).
-    Another interrupt meanwhile does not cut this short: leaving now would leave ranks running."""
+    Another interrupt meanwhile does not cut this short (leaving now would leave ranks running):
+    it is a second press to every trial, which ends at once one whose code was saving on the first
+    (``stop_requested()``), as a second press does in a launch."""
     deadline = time.monotonic() + STOP_WAIT_S
     while running and time.monotonic() < deadline:
         try:
             _wait_for_one(ended, running, free, tick)
         except KeyboardInterrupt:
-            continue
+            stop.stop_all()
