@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from accelnb.errors import RankFailure
 from accelnb.kernel.run.group.call_answers import CallAnswers
 from accelnb.kernel.run.group.call_protocol import CallProtocol, CallRanks, StopWhy
+from accelnb.kernel.run.group.stop_presses import SAME_PRESS_S
 
 
 @dataclass
@@ -192,6 +193,10 @@ def _answer(answers: CallAnswers) -> None:
     answers.values.update({0: b"saved", 1: b"saved"})
 
 
+def _a_person_waits(answers: CallAnswers) -> None:
+    time.sleep(SAME_PRESS_S)  # a second press is a person's, later than one click arriving two ways
+
+
 def _press_stop_button(answers: CallAnswers) -> None:
     os.kill(os.getpid(), signal.SIGINT)  # the kernel's stop button; the handler runs before the next line
 
@@ -219,7 +224,7 @@ def test_a_stop_for_code_that_does_not_check_stops_at_once() -> None:
 
 def test_a_second_press_stops_now() -> None:
     stop = threading.Event()
-    ranks = FakeRanks(on_pump=[_checks, lambda answers: stop.set(), _nothing, lambda answers: stop.set()])
+    ranks = FakeRanks(on_pump=[_checks, lambda answers: stop.set(), _a_person_waits, lambda answers: stop.set()])
     protocol = CallProtocol(ranks.port())
     assert protocol.wait(protocol.begin(None), None, stop, stop_grace=30.0) == "stop_requested"
     assert ranks.stop_requests == 1
@@ -236,7 +241,7 @@ def test_ranks_that_do_not_answer_within_the_grace_are_stopped() -> None:
 
 
 def test_the_stop_button_is_a_request_first_and_a_keyboard_interrupt_second() -> None:
-    ranks = FakeRanks(on_pump=[_checks, _press_stop_button, _nothing, _press_stop_button])
+    ranks = FakeRanks(on_pump=[_checks, _press_stop_button, _a_person_waits, _press_stop_button])
     protocol = CallProtocol(ranks.port())
     answers = protocol.begin(None)
     before = signal.getsignal(signal.SIGINT)
@@ -247,6 +252,20 @@ def test_the_stop_button_is_a_request_first_and_a_keyboard_interrupt_second() ->
         pass
     assert (ranks.stop_requests, ranks.requests_shown) == (1, ["the stop button"])
     assert signal.getsignal(signal.SIGINT) is before  # the kernel's handler is back
+
+
+def test_one_click_arriving_as_a_comm_message_and_an_interrupt_is_one_press() -> None:
+    stop = threading.Event()
+
+    def both_ways(answers: CallAnswers) -> None:  # the JupyterLab panel's Stop
+        stop.set()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    ranks = FakeRanks(on_pump=[_checks, both_ways, _nothing, _nothing, _answer])
+    protocol = CallProtocol(ranks.port())
+    answers = protocol.begin(None)
+    assert protocol.wait(answers, None, stop, stop_grace=30.0) == "answered"
+    assert ranks.stop_requests == 1
 
 
 def test_the_stop_button_for_code_that_does_not_check_interrupts_at_once() -> None:

@@ -189,7 +189,7 @@ def test_changes_made_in_the_kernel_reach_the_panel(kernel: KernelSession, panel
                    " run_state.RankState(1, 'cpu', 'failed', 43, 'ZeroDivisionError')])\n"
                    "run_state.begin_run(run)")
     run = kernel.next_from(panel, seen)["run"]
-    assert run == {"run_id": 7, "finished": False, "ranks": [
+    assert run == {"run_id": 7, "finished": False, "stop_pending": None, "ranks": [
         {"rank": 0, "device": "cpu", "phase": "running", "pid": 42, "detail": "", "progress": ""},
         {"rank": 1, "device": "cpu", "phase": "failed", "pid": 43, "detail": "ZeroDivisionError", "progress": ""}]}
 
@@ -197,6 +197,10 @@ def test_changes_made_in_the_kernel_reach_the_panel(kernel: KernelSession, panel
     kernel.send(panel, {"type": "stop"})
     kernel.next_from(panel, seen)
     assert kernel.execute("print(run.stop_requested.is_set())").strip() == "True"
+
+    seen = len(kernel.comm_messages(panel))  # the code checks stop_requested(): the ranks are saving
+    kernel.execute("run.stop_pending = 'a panel\\'s Stop'; run_state.publish()")
+    assert kernel.next_from(panel, seen)["run"]["stop_pending"] == "a panel's Stop"
 
     seen = len(kernel.comm_messages(panel))
     kernel.execute("run.finished = True; run.ranks[0].phase = 'stopped'; run_state.publish()")

@@ -29,6 +29,7 @@ import torch
 import accelnb
 from accelnb import RunInterrupted, Session
 from accelnb.kernel.run import run_state
+from accelnb.kernel.run.group.stop_presses import SAME_PRESS_S
 from tests.conftest import start_repo_kernel
 from tests.stop_targets import train_saving_every, train_until_stopped
 
@@ -120,10 +121,12 @@ def test_code_that_never_checks_is_stopped_at_once(tmp_path: Path) -> None:
 def test_a_second_press_stops_ranks_that_do_not_stop_at_once(tmp_path: Path) -> None:
     presser = PressAtStep(5)
 
-    def press_again() -> None:
+    def press_again() -> None:  # once the panel says the ranks are saving
         presser.reached.wait(120)
-        while run_state.current_run() is not None and not run_state.current_run().finished:  # type: ignore[union-attr]
-            if presser.pressed and run_state.request_stop():  # the second press, once the first was made
+        while (run := run_state.current_run()) is not None and not run.finished:
+            if run.stop_pending is not None:
+                time.sleep(SAME_PRESS_S)  # a person's second press, not the first click arriving twice
+                run_state.request_stop()
                 return
             time.sleep(0.05)
 

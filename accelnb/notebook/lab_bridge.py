@@ -37,7 +37,7 @@ A state message::
                              "processes": [{"pid", "memory_used"}]}],   # bytes, percent
                    "synthetic": bool, "source": "nvml" | "none" | "synthetic", "note": str},
      "selection": {"gpus": [int] | null, "num_processes": int | null, "magic_line": str},
-     "run": null | {"run_id": int, "finished": bool,
+     "run": null | {"run_id": int, "finished": bool, "stop_pending": null | str,
                     "ranks": [{"rank", "device", "phase", "pid", "detail", "progress"}]},
      "sweep": null | {"sweep_id": int, "finished": bool,
                       "trials": [{"index", "label", "gpus": [int], "state"}]}}
@@ -333,6 +333,7 @@ def state_message(
         "run": None if run is None else {
             "run_id": run.run_id,
             "finished": run.finished,
+            "stop_pending": run.stop_pending,  # the ranks are saving after a Stop: the next press stops now
             "ranks": [dataclasses.asdict(rank) for rank in list(run.ranks)],
         },
         "sweep": None if sweep is None else {

@@ -47,6 +47,9 @@ export interface IRank {
 export interface IRun {
   run_id: number;
   finished: boolean;
+  // what asked the ranks to stop at their next accelnb.stop_requested() check, while they save;
+  // absent from a kernel older than the Stop that saves
+  stop_pending?: string | null;
   ranks: IRank[];
 }
 

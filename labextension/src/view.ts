@@ -203,7 +203,12 @@ export class GpuPanelView extends Widget {
       section.appendChild(el('div', 'accelnb-GpuPanel-runTitle', 'No run yet.'));
       return;
     }
-    const title = run.finished ? 'Last run: finished' : 'Run in progress';
+    const saving = run.finished ? null : run.stop_pending ?? null;
+    const title = run.finished
+      ? 'Last run: finished'
+      : saving
+        ? `Run in progress: stop requested (${saving}), ranks are saving`
+        : 'Run in progress';
     section.appendChild(el('div', 'accelnb-GpuPanel-runTitle', title));
     const [table, body] = headedTable('accelnb-GpuPanel-ranks', ['Rank', 'Device', 'State', 'PID', 'Progress']);
     for (const rank of run.ranks) {
@@ -225,8 +230,11 @@ export class GpuPanelView extends Widget {
     }
     section.appendChild(table);
     if (!run.finished) {
-      const stop = el('button', 'jp-Button jp-mod-styled jp-mod-warn accelnb-GpuPanel-stop', 'Stop');
-      stop.title = 'Interrupt the kernel: accelnb stops every worker of this run';
+      const stop = el('button', 'jp-Button jp-mod-styled jp-mod-warn accelnb-GpuPanel-stop', saving ? 'Stop now' : 'Stop');
+      stop.title = saving
+        ? `Stop requested (${saving}): the ranks are saving. Press to stop them now`
+        : 'Interrupt the kernel: accelnb stops every worker of this run (code that checks ' +
+          'accelnb.stop_requested() is asked to save and stop first)';
       stop.addEventListener('click', () => void this._model.stop());
       const stacks = el('button', 'jp-Button jp-mod-styled jp-mod-reject accelnb-GpuPanel-stacksButton',
         this._model.stacksPending ? 'Reading stacks…' : 'Stacks');

@@ -164,3 +164,43 @@ def test_a_training_cell_shows_every_ranks_progress_in_the_cell_and_the_panel(
     expect(panel.locator(".accelnb-GpuPanel-progress").first).to_contain_text("step 200 ·")  # the last figures
     expect(final).to_contain_text("(synthetic)")  # the GPU columns, from the synthetic inventory
     page.screenshot(path=str(ARTIFACTS / "rank-view-final.png"))
+
+
+SAVING_CELL = """%%distributed --gpus 0,1
+import time, torch, accelnb
+from torch.nn.parallel import DistributedDataParallel as DDP
+model = DDP(torch.nn.Linear(32, 4))
+optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+for step in range(100_000):
+    time.sleep(0.01)
+    optimizer.zero_grad()
+    model(torch.randn(8, 32)).sum().backward()
+    optimizer.step()
+    if step == 20 and rank == 0:
+        print("training", flush=True)
+    if accelnb.stop_requested():
+        time.sleep(3)  # a big checkpoint takes a while to write: the panel says the ranks are saving
+        print(f"rank {rank} saved step {step}", flush=True)
+        break
+"""
+
+
+def test_the_panels_stop_lets_code_that_checks_save_and_offers_stop_now(page: Page, lab_server: LabServer) -> None:
+    path = lab_server.create_notebook("saving.ipynb", [LOAD_ACCELNB, SAVING_CELL])
+    lab = LabPage(page)
+    lab.open_notebook(lab_server.notebook_url(path, "saving"))
+    panel = lab.open_gpu_panel()
+    lab.run_cell(0)
+    expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_have_text("No run yet.", timeout=60_000)
+    lab.run_cell(1)
+    expect(lab.output(1)).to_contain_text("training", timeout=90_000)
+    # One click sends a comm message and interrupts the kernel: the kernel takes both as one press.
+    panel.locator(".accelnb-GpuPanel-stop").click()
+    expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_contain_text("stop requested", timeout=10_000)
+    expect(panel.locator(".accelnb-GpuPanel-stop")).to_have_text("Stop now")
+    page.screenshot(path=str(ARTIFACTS / "gpu-panel-saving.png"))
+    expect(lab.output(1)).to_contain_text("stopped as asked", timeout=30_000)
+    expect(lab.output(1)).to_contain_text(re.compile(r"rank 0 saved step \d+"))
+    expect(lab.output(1)).not_to_contain_text("KeyboardInterrupt")
+    expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_have_text("Last run: finished")
+    expect(panel.locator('.accelnb-GpuPanel-ranks tr[data-phase="done"]')).to_have_count(2)

@@ -132,7 +132,7 @@ class CallProtocol:
                 if presses.requested or not answers.checks_stop:
                     return "timed_out"
                 press, deadline = TIMEOUT_PASSED, None
-            if press is not None:
+            if press is not None and not presses.echoes_the_request():
                 if presses.requested or not (answers.checks_stop and self._ranks.request_stop(answers)):
                     return "stop_requested"
                 presses.request_sent(press)

@@ -30,6 +30,10 @@ from types import FrameType
 STOP_BUTTON = "the stop button"
 PANEL_STOP = "a panel's Stop"
 TIMEOUT_PASSED = "timeout= passed"
+# One click can arrive twice: the JupyterLab panel's Stop sends a comm message and interrupts the
+# kernel (the comm alone is not read by every kernel while a cell runs). Presses this soon after
+# the request are that same press, not the second one.
+SAME_PRESS_S = 1.0
 REQUEST_MESSAGE = ("accelnb: stop requested ({by}): ranks will stop at their next check "
                    "(press Stop again to stop now)\n")
 
@@ -55,6 +59,10 @@ class StopPresses:
     def request_sent(self, by: str) -> None:
         self.asked_by, self.asked_at = by, time.monotonic()
 
+    def echoes_the_request(self) -> bool:
+        """A press now is the request's own press arriving by a second way (see SAME_PRESS_S)."""
+        return self.asked_at is not None and time.monotonic() - self.asked_at < SAME_PRESS_S
+
     def grace_over(self) -> bool:
         """The ranks had ``grace`` seconds to answer the request, and some did not."""
         return self.asked_at is not None and self.grace is not None and time.monotonic() - self.asked_at > self.grace
@@ -76,6 +84,8 @@ class StopPresses:
             if self.asked_at is None and self._pressed is None and can_request():
                 self._pressed = STOP_BUTTON
                 return
+            if self._pressed is not None or self.echoes_the_request():
+                return  # the same click, arriving twice
             if previous == signal.SIG_IGN:
                 return
             if callable(previous) and previous is not signal.default_int_handler:
