@@ -93,6 +93,18 @@ def start_repo_kernel(**env: str | None) -> tuple[KernelManager, BlockingKernelC
     return start_new_kernel(kernel_name="python3", env=environ, cwd=str(REPO))
 
 
+def cell_messages(client: BlockingKernelClient, msg_id: str, timeout: float = 180) -> list[dict[str, Any]]:
+    """The IOPub messages of the cell ``msg_id`` (``client.execute``'s answer), until the kernel is idle again."""
+    messages = []
+    while True:
+        message = client.get_iopub_msg(timeout=timeout)
+        if message["parent_header"].get("msg_id") != msg_id:
+            continue
+        messages.append(message)
+        if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
+            return messages
+
+
 def _running(process: psutil.Process) -> bool:
     try:
         return process.status() != psutil.STATUS_ZOMBIE

@@ -150,19 +150,11 @@ print("took", time.monotonic() - started, "steps", {r: s.steps for r, s in resul
 
 
 def run_cell_collecting_iopub(code: str, **env: str) -> list[dict[str, Any]]:
-    from tests.conftest import start_repo_kernel
+    from tests.conftest import cell_messages, start_repo_kernel
 
     manager, client = start_repo_kernel(**env)
     try:
-        msg_id = client.execute(code)
-        messages = []
-        while True:
-            message = client.get_iopub_msg(timeout=180)
-            if message["parent_header"].get("msg_id") != msg_id:
-                continue
-            messages.append(message)
-            if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
-                return messages
+        return cell_messages(client, client.execute(code))
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)

@@ -14,7 +14,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.conftest import start_repo_kernel
+from tests.conftest import cell_messages, start_repo_kernel
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -47,23 +47,11 @@ MAGIC_CELLS = ["%load_ext accelnb", "configs = [{'x': 1}, {'x': 2}, {'x': 3}]\nc
                "%%distributed --sweep nothing_here --cpu\n1", "%%distributed --best loss --cpu --procs 1\n1"]
 
 
-def _collect(client: Any, msg_id: str) -> list[dict[str, Any]]:
-    """The cell's IOPub messages until the kernel is idle again."""
-    messages = []
-    while True:
-        message = client.get_iopub_msg(timeout=180)
-        if message["parent_header"].get("msg_id") != msg_id:
-            continue
-        messages.append(message)
-        if message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
-            return messages
-
-
 def run_cells(cells: list[str]) -> list[list[dict[str, Any]]]:
     """Each cell's IOPub messages, in one fresh kernel."""
     manager, client = start_repo_kernel()
     try:
-        return [_collect(client, client.execute(code)) for code in cells]
+        return [cell_messages(client, client.execute(code)) for code in cells]
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
@@ -119,7 +107,7 @@ def test_the_stop_button_ends_every_running_trial_and_keeps_the_finished_ones(tm
     configs = [{"value": 1}, {"mark": str(marks[0])}, {"mark": str(marks[1])}, {"value": 4}]
     manager, client = start_repo_kernel()
     try:
-        _collect(client, client.execute(f"%load_ext accelnb\nconfigs = {configs!r}"))
+        cell_messages(client, client.execute(f"%load_ext accelnb\nconfigs = {configs!r}"))
         msg_id = client.execute(STOPPED_CELL)
         deadline = time.monotonic() + 120
         while not all(mark.exists() and mark.read_text() for mark in marks):  # both trials run
@@ -127,10 +115,10 @@ def test_the_stop_button_ends_every_running_trial_and_keeps_the_finished_ones(tm
             time.sleep(0.05)
         pids = [int(mark.read_text()) for mark in marks]
         manager.interrupt_kernel()  # the notebook's Stop button
-        stopped = _collect(client, msg_id)
+        stopped = cell_messages(client, msg_id)
         # the cell answered: by then the trials' ranks are gone (the kernel still runs, and its helper)
         alive = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE]
-        check = _collect(client, client.execute("print([(t.state, t.value) for t in _sweep])"))
+        check = cell_messages(client, client.execute("print([(t.state, t.value) for t in _sweep])"))
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
