@@ -97,7 +97,7 @@ def run_trials(trials: Sequence[Trial], slots: Sequence[Slot], run_trial: RunTri
             while pending or running:
                 while pending and free and not stop.requested.is_set():
                     trial, slot = pending.popleft(), free.popleft()
-                    running[trial.index] = _start(trial, slot, run_trial, stop, ended)
+                    _start(trial, slot, run_trial, stop, ended, running)
                     on_change()
                 if not running:
                     break
@@ -109,8 +109,9 @@ def run_trials(trials: Sequence[Trial], slots: Sequence[Slot], run_trial: RunTri
         except KeyboardInterrupt:
             stop.stop_all()
             _wait_for_all(ended, running, free, tick, stop)
-        for trial in pending:
-            trial.skip()
+        for trial in trials:  # queued, or whose thread an interrupt kept from starting
+            if trial.state == "queued" or (trial.state == "running" and trial.index not in running):
+                trial.skip()
         on_change()
     finally:
         unsubscribe()
@@ -120,7 +121,10 @@ def run_trials(trials: Sequence[Trial], slots: Sequence[Slot], run_trial: RunTri
 
 
 def _start(trial: Trial, slot: Slot, run_trial: RunTrial, stop: SweepStop,
-           ended: queue.SimpleQueue[tuple[Trial, Slot]]) -> threading.Thread:
+           ended: queue.SimpleQueue[tuple[Trial, Slot]], running: dict[int, threading.Thread]) -> None:
+    """Run ``trial`` on ``slot`` in a thread of its own, registered in ``running`` before it starts
+    (an interrupt between the two leaves a thread that never started, which the stop skips)."""
+
     def body() -> None:
         try:
             with run_state.wait_hooks_run_elsewhere():
@@ -133,8 +137,8 @@ def _start(trial: Trial, slot: Slot, run_trial: RunTrial, stop: SweepStop,
 
     trial.begin(slot.gpus)
     thread = threading.Thread(target=body, name=f"accelnb-trial-{trial.index}", daemon=True)
+    running[trial.index] = thread
     thread.start()
-    return thread
 
 
 def _wait_for_one(ended: queue.SimpleQueue[tuple[Trial, Slot]], running: dict[int, threading.Thread],
@@ -158,6 +162,9 @@ def _wait_for_all(ended: queue.SimpleQueue[tuple[Trial, Slot]], running: dict[in
     Another interrupt meanwhile does not cut this short (leaving now would leave ranks running):
     it is a second press to every trial, which ends at once one whose code was saving on the first
     (``stop_requested()``), as a second press does in a launch."""
+    for index, thread in list(running.items()):
+        if thread.ident is None:  # registered, never started: nothing of it runs
+            running.pop(index)
     deadline = time.monotonic() + STOP_WAIT_S
     while running and time.monotonic() < deadline:
         try:
