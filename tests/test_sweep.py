@@ -155,6 +155,13 @@ def test_two_rank_trials_are_ddp_groups_of_their_own() -> None:
     assert [t.value[:2] for t in trials] == [(2, 21.0), (2, 41.0), (2, 61.0)]  # rank 0 + rank 1, each + config
 
 
+def test_many_short_trials_four_at_a_time_share_one_helper() -> None:
+    """More trials at once than cores: their starts and ends interleave on the one helper's socket
+    (a spawn answer read by another trial's thread would leave that start waiting 60 s, then fail)."""
+    trials = accelnb.sweep(ddp_trial, list(range(16)), cpu=True, max_concurrent=4)
+    assert [t.value[:2] for t in trials] == [(1, float(i)) for i in range(16)], [t.error for t in trials]
+
+
 def threads_trial(config: int) -> int:
     import torch
 
