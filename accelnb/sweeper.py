@@ -61,6 +61,7 @@ from accelnb.kernel.run.attempts import run_attempts
 from accelnb.kernel.run.call_settings import CallSettings
 from accelnb.kernel.run.engine import MetricRoute
 from accelnb.kernel.run.rank_group import RankGroup
+from accelnb.kernel.run.sigterm import sigterm_as_stop
 from accelnb.kernel.run.supervisor import WorkerGroup
 from accelnb.kernel.sweep.scheduler import SweepStop, run_trials
 from accelnb.kernel.sweep.slots import Slot, check_concurrency, cpu_slots, default_cpu_concurrency, gpu_slots
@@ -200,8 +201,9 @@ def run_sweep(fn: Callable[..., Any], configs: Iterable[Any], options: Mapping[s
                    value_of=value_of, log=logs[trial.index] if logs else None, threads=threads)
 
     try:
-        ending = run_trials(trials, layout.slots, run_one, fail_fast=fail_fast, tick=table.refresh,
-                            on_change=publisher.publish)
+        with sigterm_as_stop():  # a pre-empted machine's SIGTERM is a Stop to every trial, then ends us
+            ending = run_trials(trials, layout.slots, run_one, fail_fast=fail_fast, tick=table.refresh,
+                                on_change=publisher.publish)
     finally:
         for log in logs:
             log.close()

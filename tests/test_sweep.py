@@ -350,3 +350,41 @@ def test_to_pandas_without_pandas_says_how_to_install_it(monkeypatch: pytest.Mon
     monkeypatch.setitem(sys.modules, "pandas", None)  # what an environment without pandas looks like
     with pytest.raises(ImportError, match="needs pandas: pip install pandas"):
         Trials([_trial(0, "done", {})]).to_pandas()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+SWEEP_SCRIPT = """
+import os, sys, time
+from pathlib import Path
+import accelnb
+
+def marks_then_waits(mark):
+    Path(mark).write_text(str(os.getpid()))
+    while True:
+        time.sleep(0.05)
+
+if __name__ == "__main__":
+    accelnb.sweep(marks_then_waits, sys.argv[1:], cpu=True, max_concurrent=2)
+"""
+
+
+def test_sigterm_to_a_script_running_a_sweep_ends_every_trial_then_the_script(tmp_path: Path) -> None:
+    script = tmp_path / "sweep.py"
+    script.write_text(SWEEP_SCRIPT)
+    marks = [tmp_path / "a", tmp_path / "b"]
+    process = psutil.Popen([sys.executable, str(script), *map(str, marks)], cwd=tmp_path,
+                           env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parent.parent)))
+    deadline = time.monotonic() + 120
+    while not all(mark.exists() and mark.read_text() for mark in marks):  # both trials run
+        assert time.monotonic() < deadline and process.poll() is None
+        time.sleep(0.05)
+    pids = [int(mark.read_text()) for mark in marks]
+    process.send_signal(signal.SIGTERM)  # a pre-empted machine's
+    assert process.wait(60) == -signal.SIGTERM  # it ends as SIGTERM meant, once every trial's ranks were
+    assert [pid for pid in pids if _running(pid)] == []  # stopped: none outlives it, not even for a moment
