@@ -46,3 +46,10 @@ def test_the_check_sees_a_module_that_does() -> None:
     done = subprocess.run([sys.executable, "-c", IMPORT_EACH, str(TESTS), json.dumps(["test_install"]),
                            json.dumps(HEAVY)], capture_output=True, text=True, timeout=120, check=True)
     assert "jsonschema" in json.loads(done.stdout.splitlines()[-1])["test_install"]
+
+
+def test_every_test_module_has_a_name_of_its_own() -> None:
+    # pytest imports test modules by their base name (no __init__.py here): two test_x.py in two
+    # folders make the collection of the whole suite fail, though each folder passes alone.
+    modules = sorted(path.name for path in TESTS.rglob("test_*.py"))
+    assert len(modules) == len(set(modules)), [name for name in set(modules) if modules.count(name) > 1]
