@@ -35,6 +35,19 @@ def _train_step(model: Any, optimizer: Any) -> Any:
     return loss
 
 
+def _resume(path: Path, model: Any, optimizer: Any) -> int:
+    """Load the checkpoint at ``path`` if there is one; the step to start from."""
+    import torch
+
+    if not path.exists():
+        return 0
+    state = torch.load(path)
+    model.module.load_state_dict(state["model"])
+    if optimizer is not None:
+        optimizer.load_state_dict(state["optimizer"])
+    return int(state["step"]) + 1
+
+
 def train_until_stopped(checkpoints: str, steps: int = 1_000_000, ignore_stop: bool = False) -> tuple[int, int]:
     """Train from the last checkpoint in ``checkpoints`` (if any) until Stop; returns this run's
     (first step, last step). Each rank also writes the step it stopped at, for the test to compare."""
@@ -45,12 +58,7 @@ def train_until_stopped(checkpoints: str, steps: int = 1_000_000, ignore_stop: b
 
     rank, model, optimizer = _ddp_model()
     path = Path(checkpoints) / "checkpoint.pt"
-    start = 0
-    if path.exists():
-        state = torch.load(path)
-        model.module.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        start = state["step"] + 1
+    start = _resume(path, model, optimizer)
     step = start
     for step in range(start, steps):
         loss = _train_step(model, optimizer)
@@ -79,11 +87,7 @@ def train_saving_every(checkpoints: str, steps: int, save_every: int, crash_at: 
 
     rank, model, optimizer = _ddp_model()
     path = Path(checkpoints) / "checkpoint.pt"
-    start = 0
-    if path.exists():
-        state = torch.load(path)
-        model.module.load_state_dict(state["model"])
-        start = state["step"] + 1
+    start = _resume(path, model, None)
     for step in range(start, steps):
         _train_step(model, optimizer)
         if accelnb.restart_count() == 0 and rank == 1 and step == crash_at:
