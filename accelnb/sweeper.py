@@ -323,7 +323,7 @@ def _run_trial(trial: Trial, settled: SettledOptions, the_plan: LaunchPlan, stop
         group = starter(restart_count)
         trial.follow(group.output)
         if isinstance(group, WorkerGroup) and group.run is not None:
-            stop.attach(trial.index, group.run.stop_requested)
+            stop.attach(trial.index, group.run)
         return group
 
     route = MetricRoute(None, [trial.add_metrics, *([log.add] if log is not None else [])])

@@ -328,7 +328,7 @@ def saves_on_stop(config: dict[str, Any]) -> str:
     return "saved"
 
 
-def test_stop_lets_a_trial_that_checks_stop_requested_save(tmp_path: Path) -> None:
+def test_stop_lets_a_trial_that_checks_stop_requested_save(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
     marks = [tmp_path / "saves", tmp_path / "plain"]
     remove_hook = run_state.add_wait_hook(_interrupt_when_marked(*marks))
     try:
@@ -340,6 +340,7 @@ def test_stop_lets_a_trial_that_checks_stop_requested_save(tmp_path: Path) -> No
     trials = info.value.trials  # type: ignore[attr-defined]
     assert [(t.state, t.value) for t in trials] == [("done", "saved"), ("stopped", None)]
     assert worker_processes() == []
+    assert "stop requested (the stop button)" in capfd.readouterr().err  # named by what pressed it
 
 
 def _saves_or_waits(config: dict[str, Any]) -> str:

@@ -107,10 +107,10 @@ def run_listener_count() -> int:
     return len(_run_listeners)
 
 
-_stop_listeners = Listeners[[]]("stop listener")
+_stop_listeners = Listeners[[str]]("stop listener")
 
 
-def on_stop_request(listener: Callable[[], object]) -> Callable[[], None]:
+def on_stop_request(listener: Callable[[str], object]) -> Callable[[], None]:
     """Have ``listener`` called by every :func:`request_stop` (a sweep, whose several runs one Stop
     ends); returns a function that unsubscribes it."""
     return _stop_listeners.add(listener)
@@ -120,7 +120,7 @@ def request_stop(by: str = "a panel's Stop") -> bool:
     """Ask the run in progress (and whatever listens, see :func:`on_stop_request`) to stop;
     ``by`` says what asked, in the cell's message. Returns False when nothing is running."""
     heard = len(_stop_listeners) > 0
-    _stop_listeners.notify()
+    _stop_listeners.notify(by)
     run = _current_run
     if heard or run is None or run.finished:  # a listener (a sweep) stops its runs, the current one included:
         return heard  # setting it again here could read as a second press

@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import Literal
 
 from accelnb.kernel.run import run_state
+from accelnb.kernel.run.group.stop_presses import STOP_BUTTON
 from accelnb.kernel.sweep.slots import Slot
 from accelnb.kernel.sweep.trials import Trial
 
@@ -53,25 +54,33 @@ class SweepStop:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._events: dict[int, threading.Event] = {}
+        self._runs: dict[int, run_state.RunState] = {}
         self.requested = threading.Event()
+        self._asked_by = STOP_BUTTON
 
-    def attach(self, trial: int, stop_requested: threading.Event) -> None:
-        """A trial's launch started; its ``stop_requested`` ends it (at once if the sweep stops already)."""
+    def attach(self, trial: int, run: run_state.RunState) -> None:
+        """A trial's launch started; a stop of the sweep is a press on its run (at once if the
+        sweep stops already)."""
         with self._lock:
-            self._events[trial] = stop_requested
+            self._runs[trial] = run
             if self.requested.is_set():
-                stop_requested.set()
+                self._press(run)
 
     def detach(self, trial: int) -> None:
         with self._lock:
-            self._events.pop(trial, None)
+            self._runs.pop(trial, None)
 
-    def stop_all(self) -> None:
+    def stop_all(self, by: str = STOP_BUTTON) -> None:
+        """Press Stop on every running trial (``by`` names the press in each trial's messages)."""
         with self._lock:
+            self._asked_by = by
             self.requested.set()
-            for event in self._events.values():
-                event.set()
+            for run in self._runs.values():
+                self._press(run)
+
+    def _press(self, run: run_state.RunState) -> None:
+        run.stop_asked_by = self._asked_by
+        run.stop_requested.set()
 
 
 RunTrial = Callable[[Trial, Slot, SweepStop], None]  # runs one trial to its end, recording it; raises nothing
@@ -105,7 +114,7 @@ def run_trials(trials: Sequence[Trial], slots: Sequence[Slot], run_trial: RunTri
                 on_change()
                 if fail_fast and not failed_fast and any(t.state == "failed" for t in trials):
                     failed_fast = True
-                    stop.stop_all()
+                    stop.stop_all("fail_fast=True: a trial failed")
         except KeyboardInterrupt:
             stop.stop_all()
             _wait_for_all(ended, running, free, tick, stop)
