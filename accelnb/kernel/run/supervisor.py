@@ -210,15 +210,17 @@ class WorkerGroup:
 
     def _send_call(self, answers: CallAnswers, payload: Packed, value_ranks: set[int]) -> None:
         assert answers.call_id is not None
-        inboxes = [channels.inbox for channels in self._channels.ranks if channels.inbox is not None
-                   and self._processes.is_alive(channels.rank) and answers.runs_on(channels.rank)]
-        self._inboxes.send_call(answers.call_id, payload, value_ranks, inboxes, every_rank=answers.ranks is None)
+        self._inboxes.send_call(answers.call_id, payload, value_ranks, self._call_inboxes(answers),
+                                every_rank=answers.ranks is None)
+
+    def _call_inboxes(self, answers: CallAnswers) -> list[socket.socket]:
+        """The inboxes of the live ranks the call runs on."""
+        return [channels.inbox for channels in self._channels.ranks if channels.inbox is not None
+                and self._processes.is_alive(channels.rank) and answers.runs_on(channels.rank)]
 
     def _request_stop(self, answers: CallAnswers) -> bool:
         assert answers.call_id is not None
-        inboxes = [channels.inbox for channels in self._channels.ranks if channels.inbox is not None
-                   and self._processes.is_alive(channels.rank) and answers.runs_on(channels.rank)]
-        return self._inboxes.send_stop_request(answers.call_id, inboxes)
+        return self._inboxes.send_stop_request(answers.call_id, self._call_inboxes(answers))
 
     def _show_request(self, by: str) -> None:
         self.output.tick(force=True)  # what the ranks printed before comes first
