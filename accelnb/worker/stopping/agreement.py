@@ -103,12 +103,10 @@ def end_call(returned: bool) -> None:
         return
     import torch.distributed as dist
 
-    if not dist.is_initialized() or dist.group.WORLD is not _world:  # the code destroyed the groups (cleanup())
+    # A call that raised, or whose code destroyed the groups (the tutorial's cleanup()): let the
+    # group go, never destroyed (its destructor would wait for the unfinished all-reduce).
+    if not returned or not dist.is_initialized() or dist.group.WORLD is not _world:
         _abandoned.append(_group)
-        _group = None
-        return
-    if not returned:
-        _abandoned.append(_group)  # never destroyed: its destructor would wait for the unfinished all-reduce
         _group = None
         return
     try:
