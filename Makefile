@@ -4,7 +4,7 @@ PY := .venv/bin/python
 
 DIST := dist
 
-.PHONY: setup demo test lint typecheck soak bench dist wheel
+.PHONY: setup demo test test-gpu lint typecheck soak bench dist wheel
 
 setup:
 	@bash scripts/setup
@@ -20,6 +20,11 @@ typecheck: setup
 
 test: setup lint typecheck
 	$(PY) -m pytest -q --durations=25  # the slowest tests, to keep `make test` near 12 minutes
+
+# The GPU tier (tests/gpu/ and the other tests marked gpu): real CUDA on this machine's GPUs. A test
+# that needs more GPUs than there are is skipped, and -rs lists each skip with the count it needs.
+test-gpu: setup
+	$(PY) -m pytest -q -rs -m gpu tests --ignore=tests/browser
 
 soak: setup
 	$(PY) -m pytest -q -m slow tests -s

@@ -1,7 +1,7 @@
 """Ranks on real GPUs: several GPUs per rank, device_map="auto", Accelerate's FSDP (needs CUDA).
 
 Skipped cleanly without CUDA; the layouts themselves are tested without a GPU in
-``tests/test_planning.py``.
+``tests/test_planning.py``; stopping a generate on a model spread over the GPUs in ``test_gpu_stop.py``.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from accelnb import launch, notebook_launcher
+from tests.gpu.gpukit import needs_gpus
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_leftovers"),
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("no_leftovers"), needs_gpus(1)]
 
 
 def what_the_rank_sees() -> tuple[str, int, str, str]:
@@ -30,13 +30,13 @@ def test_gpus_per_rank_with_the_one_gpu() -> None:
     assert notebook_launcher(what_the_rank_sees, gpus="0", gpus_per_rank=1, quiet=True) == ("0", 1, "cuda:0", "cuda:0")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@needs_gpus(2)
 def test_one_rank_owns_two_gpus_as_cuda_0_and_1() -> None:
     assert notebook_launcher(what_the_rank_sees, gpus="0,1", gpus_per_rank=2, quiet=True) == ("0,1", 2, "cuda:0",
                                                                                                "cuda:0")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+@needs_gpus(4)
 def test_two_ranks_of_two_gpus_see_only_their_own() -> None:
     values = launch(what_the_rank_sees, gpus="0,1,2,3", gpus_per_rank=2, quiet=True).values
     assert values == {0: ("0,1", 2, "cuda:0", "cuda:0"), 1: ("2,3", 2, "cuda:1", "cuda:1")}
