@@ -14,6 +14,7 @@ and a clean end, ``log_dir=`` writes TensorBoard logs of
 no threads, no processes until the first launch.
 """
 
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what each public name is, for type checkers and editors; imported on first use
@@ -37,7 +38,7 @@ if TYPE_CHECKING:  # what each public name is, for type checkers and editors; im
     from accelnb.kernel.display.metrics_history import MetricHistory
     from accelnb.kernel.doctor.checks import doctor
     from accelnb.kernel.doctor.report import Check, DoctorReport
-    from accelnb.kernel.helper.client import prewarm
+    from accelnb.kernel.helper.template import prewarm
     from accelnb.kernel.planning.inventory import GpuInfo, Inventory, read_inventory, synthetic_inventory
     from accelnb.kernel.planning.rank_plan import LaunchPlan, RankSpec
     from accelnb.kernel.planning.selection import Selection, current_selection, set_selection
@@ -78,7 +79,7 @@ _DEFINED_IN: dict[str, str] = {
     "doctor": "accelnb.kernel.doctor.checks",
     "Check": "accelnb.kernel.doctor.report",
     "DoctorReport": "accelnb.kernel.doctor.report",
-    "prewarm": "accelnb.kernel.helper.client",
+    "prewarm": "accelnb.kernel.helper.template",
     "GpuInfo": "accelnb.kernel.planning.inventory",
     "Inventory": "accelnb.kernel.planning.inventory",
     "read_inventory": "accelnb.kernel.planning.inventory",
@@ -182,7 +183,7 @@ def __dir__() -> list[str]:
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext accelnb``: the ``%%distributed`` magic, the side panel's comm target, and a
     head start for accelnb's helper process (so the first launch does not wait for torch)."""
-    from accelnb.kernel.helper.client import prewarm
+    from accelnb.kernel.helper.template import prewarm
     from accelnb.notebook.lab_bridge import register_comm_target
     from accelnb.notebook.magic import DistributedMagics
 
@@ -196,3 +197,19 @@ def unload_ipython_extension(ipython: object) -> None:
     from accelnb.notebook.lab_bridge import unregister_comm_target
 
     unregister_comm_target(ipython)  # type: ignore[arg-type]
+
+
+def _follow_cells_in_a_kernel() -> None:
+    """Importing accelnb in a Jupyter kernel, in any form, has the template the ranks fork from
+    warm by the next cell (``accelnb/notebook/template_warming.py``). Nothing is started here, and
+    nothing at all outside a kernel (a rank, a script, a test): IPython is not even imported."""
+    get_ipython = getattr(sys.modules.get("IPython"), "get_ipython", None)
+    shell = get_ipython() if get_ipython is not None else None
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return
+    from accelnb.notebook.template_warming import follow_cells
+
+    follow_cells(shell)
+
+
+_follow_cells_in_a_kernel()

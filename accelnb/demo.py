@@ -4,7 +4,7 @@ Makes a 256 MiB dataset here, in the launching process, as a notebook cell would
 MLP on it with DistributedDataParallel on 2 ranks (2 CPU ranks on gloo without a GPU, the first 2
 GPUs on NCCL with them), each rank on its own half of the rows; streams rank 0's progress, then
 shows what every rank returned and the loss history reported with ``accelnb.report``. The ranks
-get the dataset without a copy (``kernel/helper/payload_delivery.py``).
+map the dataset from shared memory: the kernel copies it once (``wire/shared_memory.py``).
 """
 
 from __future__ import annotations

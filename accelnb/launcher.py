@@ -20,9 +20,9 @@ bad input fails before anything starts: check and settle the options, plan (rais
 selection that does not fit the GPUs),
 read the thread budget, pickle the call (raises naming an unpicklable argument), open the
 TensorBoard log of ``log_dir=`` (raises if tensorboard is not installed), bind the rendezvous
-port (raises if a requested one is taken), and only then fork workers from the clean helper
-process (or, to hand a big payload down without copying it, from a helper forked from the kernel
-for this launch: :mod:`accelnb.kernel.helper.payload_delivery`). With ``max_restarts=`` that start, run
+port (raises if a requested one is taken), and only then fork workers from the template process
+(:mod:`accelnb.kernel.helper.template`: clean, never a fork of the kernel, with the kernel's
+imports done). With ``max_restarts=`` that start, run
 and stop is repeated by :mod:`accelnb.kernel.run.attempts` when a rank fails.
 """
 
@@ -36,9 +36,9 @@ from accelnb.cluster import ClusterRequest, cluster_backend
 from accelnb.errors import LaunchConfigError
 from accelnb.kernel.display.tensorboard_log import TensorBoardLog
 from accelnb.kernel.doctor.preflight import preflight
-from accelnb.kernel.helper.client import HelperSource, shared_helper
+from accelnb.kernel.helper.client import HelperSource
 from accelnb.kernel.helper.payload import pack_call
-from accelnb.kernel.helper.payload_delivery import payload_delivery
+from accelnb.kernel.helper.template import shared_helper
 from accelnb.kernel.planning import rank_plan
 from accelnb.kernel.planning.inventory import read_inventory
 from accelnb.kernel.planning.worker_specs import threads_per_rank
@@ -139,13 +139,10 @@ def launch_with(function: Callable[..., Any], args: Sequence[Any], kwargs: Mappi
     sinks: list[AttemptSink] = []
     if metric_sink is not None:
         sinks.append(lambda batch, attempt: metric_sink(batch))
-    # The delivery forks nothing yet: a helper of the launch's own is forked by the first start.
-    ranks_here = None if local_plan is None else len(local_plan.ranks)
-    with payload_delivery(payload, local_ranks=ranks_here) as delivery:
-        start = group_starter(settled, persistent=False, helpers=delivery.helpers, the_plan=local_plan)
-        # A log_dir= that cannot be written fails here, before start; a SIGTERM is a Stop press from here on.
-        with metric_route(options, sinks) as route, sigterm_as_stop():
-            return _run_attempts(start, delivery.payload, options, route)
+    start = group_starter(settled, persistent=False, the_plan=local_plan)
+    # A log_dir= that cannot be written fails here, before start; a SIGTERM is a Stop press from here on.
+    with metric_route(options, sinks) as route, sigterm_as_stop():
+        return _run_attempts(start, payload, options, route)
 
 
 def _run_attempts(start: Callable[[int], RankGroup], payload: Packed, options: LaunchOptions,

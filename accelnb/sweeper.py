@@ -24,9 +24,6 @@ What is not the same as a launch, and why:
 - nothing of a trial is printed in the cell (``output="none"``, no start table): the cell shows
   one live table of trials (:mod:`accelnb.notebook.sweep_table`), and each trial keeps its own
   output (``trial.output()``) and metrics (``trial.metrics``);
-- a trial's payload goes to its ranks through shared memory, never by forking the kernel for the
-  launch (``payload_delivery``): forking a process whose other threads run launches could copy a
-  lock another thread holds;
 - each rank gets its share of the cores among all the ranks that run at once, not among its
   trial's ranks only (trials side by side would otherwise ask for several times the cores);
 - ``log_dir=`` gets one TensorBoard run per trial, ``log_dir/trial-N``;
@@ -51,8 +48,8 @@ from typing import TYPE_CHECKING, Any, TypedDict
 
 from accelnb.errors import LaunchConfigError, LaunchFailed, RunInterrupted
 from accelnb.kernel.display.tensorboard_log import TensorBoardLog
-from accelnb.kernel.helper.client import shared_helper
 from accelnb.kernel.helper.payload import check_picklable, pack_call
+from accelnb.kernel.helper.template import shared_helper
 from accelnb.kernel.planning.inventory import read_inventory
 from accelnb.kernel.planning.rank_environment import kernel_omp_setting
 from accelnb.kernel.planning.rank_plan import GpuSpec, LaunchPlan
@@ -189,7 +186,7 @@ def run_sweep(fn: Callable[..., Any], configs: Iterable[Any], options: Mapping[s
         check_picklable(f"Config {index} (configs[{index}])", config)
     logs = _open_logs(base.log_dir, len(configs))  # raises when tensorboard is missing
     trials = Trials([Trial(index, config) for index, config in enumerate(configs)], metric=best, mode=mode)
-    shared_helper()  # ready before the trial threads exist: the first helper may be a fork of the kernel
+    shared_helper()  # ready, with the kernel's imports done, before the trial threads ask for it
     table = _live_table(trials)
     publisher = SweepPublisher(trials, lambda trial: describe_config(trial.config, 40))
 

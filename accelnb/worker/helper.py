@@ -1,22 +1,32 @@
-"""accelnb's helper process, which forks the workers: fork speed without fork's dangers.
+"""accelnb's helper process, the warm template every rank is forked from: fork speed, clean ranks.
 
-Forking the kernel is fast but breaks as soon as the notebook touched CUDA; spawning fresh
-interpreters is safe but pays ``import torch`` (1–2 s) and torch's lazy imports on every launch.
-The helper process is a fresh interpreter, started once per kernel by ``kernel/helper/client.py``,
-that imports torch and then never touches CUDA nor starts a thread. Each worker is a fork of it:
-milliseconds, with everything pre-imported. It says "ready" once workers can start (torch,
-``torch.distributed``); what training touches next (``torch._dynamo``, which an optimizer's first
-step imports, and Accelerate) it imports while idle, so that the first launch of a kernel does
-not wait for them (~1.3 s of its ~2.6 s on an idle 2-core machine) and later launches find them.
+Forking the kernel is fast but carries what the kernel decided (a CUDA context, tqdm.auto's widget
+bar, transformers' notebook progress callback, the kernel's sockets and logging handlers, a
+module's ``from torch.distributed import init_process_group``); spawning fresh interpreters is
+clean but pays every import again on every launch. The template is a fresh interpreter, started by
+``kernel/helper/client.py`` (never a fork of the kernel), that
+
+1. imports torch and what every rank needs to start (:data:`DEFAULT_PREIMPORTS`);
+2. installs accelnb's rank-side hooks (``worker/template_imports.install_rank_hooks``), so that any
+   module imported after them binds accelnb's ``init_process_group`` and ``mp.spawn``;
+3. says "ready", then imports what the kernel has imported, as the kernel asks
+   (``FollowImports``, ``wire/template.py``): after each cell in the background while no rank of
+   it runs, and before each launch, which waits for them;
+4. forks one rank per spec on request: milliseconds, with everything imported, and nothing of the
+   kernel's. It never initialises CUDA nor starts a thread; an import that does makes it
+   refuse to fork (``unsafe``), and the kernel starts another without that module.
 
 Protocol, over one private ``AF_UNIX``/``SOCK_SEQPACKET`` socketpair inherited from the kernel
 (no listening socket exists, so nobody else can reach it):
 
-- helper → kernel ``("ready", pid)`` once imports are done;
-- kernel → helper ``("spawn", request_id, [WorkerSpec…])`` with each worker's fds attached
+- template → kernel ``("ready", pid)`` once it can fork ranks;
+- kernel → template a :class:`~accelnb.wire.template.FollowImports`; template → kernel
+  ``("followed", request_id, [failed module…])`` once every module was tried, or
+  ``("unsafe", request_id, module, reason)`` (then and ever after);
+- kernel → template ``("spawn", request_id, [WorkerSpec…])`` with each worker's fds attached
   (stdout, stderr, events, inbox, and for rank 0 the TCPStore's listening socket);
-- helper → kernel ``("spawned", request_id, [pid…])`` or ``("spawn_failed", request_id, text)``;
-- helper → kernel ``("exited", pid, returncode, reaped_at)`` once for every worker it forked
+- template → kernel ``("spawned", request_id, [pid…])`` or ``("spawn_failed", request_id, text)``;
+- template → kernel ``("exited", pid, returncode, reaped_at)`` once for every worker it forked
   (``returncode`` negative for a signal, ``reaped_at`` the wall time it was reaped), sent only
   once every process that worker left behind is gone (see below; at most
   ``LEFTOVERS_LIMIT_S`` later, for a process stuck in the OS that SIGKILL cannot end at once).
@@ -42,8 +52,7 @@ under it is killed and the helper exits. Workers also get ``PR_SET_PDEATHSIG`` s
 the helper. (If the helper itself is SIGKILLed, its workers die that way, and whatever they left
 behind is re-parented to init: no process of accelnb's remains to end it.)
 
-Run as ``python -m accelnb.worker.helper CONTROL_FD [MODULE …]``, or forked from a kernel that
-already imported torch (``accelnb/kernel/helper/fork_or_spawn.py`` says when and how).
+Run as ``python -m accelnb.worker.helper CONTROL_FD``.
 """
 
 from __future__ import annotations
@@ -58,8 +67,11 @@ import socket
 import sys
 import time
 import traceback
-from collections.abc import Sequence
+from collections import deque
 from typing import Any
+
+from accelnb.wire.template import FollowImports
+from accelnb.worker import template_imports
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -69,10 +81,6 @@ START_FAILED_EXIT_CODE = 70  # EX_SOFTWARE: the worker failed before running any
 # Imported before "ready": what every worker needs to start and join its group.
 DEFAULT_PREIMPORTS = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data",
                       "accelnb.worker.main")
-# Imported after "ready", one module at a time while no request waits: what training usually
-# touches first (an optimizer's first step imports torch._dynamo: ~1.1 s idle, ~3 s under load).
-# Workers forked before they are in import them themselves, if at all.
-IDLE_PREIMPORTS = ("torch._dynamo", "accelerate")
 
 
 def send(sock: socket.socket, message: Any) -> None:
@@ -80,19 +88,9 @@ def send(sock: socket.socket, message: Any) -> None:
 
 
 def preimport(modules: list[str]) -> None:
-    # Ask NVML, not the CUDA runtime, whether CUDA exists: the runtime would make forks unsafe.
-    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    os.environ.update(template_imports.TEMPLATE_ENV)
     for name in modules:
         importlib.import_module(name)
-    _check_cuda_untouched()
-
-
-def preimport_when_idle(name: str) -> None:
-    """Import one optional module; a failure is the user's to see later, in a worker."""
-    try:
-        importlib.import_module(name)
-    except Exception:  # not installed, or broken in a way the user will see in their own import
-        return
     _check_cuda_untouched()
 
 
@@ -108,11 +106,69 @@ def become_subreaper() -> None:
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_CHILD_SUBREAPER) failed")
 
 
-def serve(sock: socket.socket, idle_imports: Sequence[str] = ()) -> None:
-    """Answer the kernel until it goes; when idle, import ``idle_imports`` one by one.
+class Following:
+    """The imports the kernel asked for and not yet made, in order, and whether this template is
+    still fit to fork (see ``worker/template_imports.py``)."""
 
-    Idle means no request waiting and no worker alive: an import blocks this loop for a second
-    or more, and a worker's exit must be reported (the launch waits for it) the moment it happens.
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+        self._queue: deque[tuple[FollowImports, list[str]]] = deque()  # (request, its modules left)
+        self._failed: dict[int, list[str]] = {}  # request id -> modules that failed to import
+        self._state_of: int | None = None  # the request whose sys.path, cwd and env are in force
+        self.unsafe: tuple[str, str] | None = None  # (module, reason) once an import made it unfit
+
+    def add(self, request: FollowImports) -> None:
+        if self.unsafe is not None:
+            send(self._sock, ("unsafe", request.request_id, *self.unsafe))
+            return
+        self._queue.append((request, list(request.modules)))
+        self._answer_finished()
+
+    def has_work(self, ranks_running: bool) -> bool:
+        """Something to import now: anything while no rank runs, else only for a waiting launch."""
+        if not self._queue:
+            return False
+        return not ranks_running or any(request.urgent for request, _ in self._queue)
+
+    def step(self) -> None:
+        """Import the oldest request's next module not loaded yet (a second or more for a big
+        library; most submodules came with their package and cost nothing)."""
+        request, left = self._queue[0]
+        if self._state_of != request.request_id:
+            template_imports.take_kernel_state(request)
+            self._state_of = request.request_id
+        while left and left[0] in sys.modules:
+            left.pop(0)
+        if left:
+            name = left.pop(0)
+            if not template_imports.import_quietly(name):
+                self._failed.setdefault(request.request_id, []).append(name)
+            reason = template_imports.unfit_to_fork()
+            if reason is not None:
+                self.unsafe = (name, reason)
+                for waiting, _ in self._queue:
+                    send(self._sock, ("unsafe", waiting.request_id, name, reason))
+                self._queue.clear()
+                return
+        self._answer_finished()
+
+    def finish_all(self) -> None:
+        """Import everything asked for (a launch is about to fork)."""
+        while self._queue and self.unsafe is None:
+            self.step()
+
+    def _answer_finished(self) -> None:
+        while self._queue and not self._queue[0][1]:
+            request, _ = self._queue.popleft()
+            send(self._sock, ("followed", request.request_id, self._failed.pop(request.request_id, [])))
+
+
+def serve(sock: socket.socket) -> None:
+    """Answer the kernel until it goes, and import what it asks for.
+
+    Imports run one module per turn of the loop, so that requests and exits are handled between
+    them; while ranks run they wait (an import blocks the loop for a second or more, and a
+    worker's exit must be reported the moment it happens), unless a launch waits for them.
     """
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -120,12 +176,12 @@ def serve(sock: socket.socket, idle_imports: Sequence[str] = ()) -> None:
     signal.set_wakeup_fd(wake_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     workers: set[int] = set()
-    pending_imports = list(idle_imports)
+    following = Following(sock)
     while True:
-        idle_work = bool(pending_imports) and not workers
-        readable, _, _ = select.select([sock.fileno(), wake_r], [], [], 0 if idle_work else None)
-        if not readable and idle_work:
-            preimport_when_idle(pending_imports.pop(0))
+        importing = following.has_work(ranks_running=bool(workers))
+        readable, _, _ = select.select([sock.fileno(), wake_r], [], [], 0 if importing else None)
+        if not readable and importing:
+            following.step()
             continue
         if wake_r in readable:
             _drain(wake_r)
@@ -139,7 +195,17 @@ def serve(sock: socket.socket, idle_imports: Sequence[str] = ()) -> None:
                 _end_descendants(set(), wake_r)
                 return
             message = pickle.loads(data)
-            if message[0] == "spawn":
+            if isinstance(message, FollowImports):
+                following.add(message)
+            elif message[0] == "spawn":
+                following.finish_all()
+                if following.unsafe is not None:
+                    for fd in fds:
+                        os.close(fd)
+                    module, reason = following.unsafe
+                    send(sock, ("spawn_failed", message[1], f"the template became unsafe to fork after "
+                                                            f"importing {module}: {reason}"))
+                    continue
                 _spawn(sock, message[1], message[2], fds, workers, (wake_r, wake_w))
 
 
@@ -339,13 +405,14 @@ def main(argv: list[str]) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     sock = socket.socket(fileno=int(argv[0]))
     become_subreaper()
-    preimport(argv[1:] or list(DEFAULT_PREIMPORTS))
+    preimport(list(DEFAULT_PREIMPORTS))
+    template_imports.install_rank_hooks()  # before any module of the kernel's is imported here
     send(sock, ("ready", os.getpid()))
     # From now on nothing of ours should print; workers get their own fds.
     devnull = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(devnull, fd)
-    serve(sock, IDLE_PREIMPORTS if not argv[1:] else ())
+    serve(sock)
     os._exit(0)  # skip interpreter teardown with torch loaded: the workers are already gone
 
 

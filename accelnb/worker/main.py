@@ -1,6 +1,7 @@
 """What runs inside each worker process, from the fork in the helper to ``os._exit``.
 
-The helper (``worker/helper.py``) forks, points fds 1 and 2 at the kernel's pipes, makes the
+The helper (``worker/helper.py``, the template: a clean interpreter that never was the kernel)
+forks, points fds 1 and 2 at the kernel's pipes, makes the
 worker a child subreaper (whatever the rank starts stays in its process tree, and the helper
 ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
 
@@ -39,7 +40,7 @@ from accelnb.wire import channel
 from accelnb.wire.events import InputReply, Joined, RunCall, Shutdown, StopRequest
 from accelnb.wire.spec import WorkerSpec
 from accelnb.worker import library_progress, rank_debugger, rank_input, report, restarts, step_timing
-from accelnb.worker.other_launchers import launches_inside, plain_process, process_group
+from accelnb.worker.other_launchers import launches_inside, process_group
 from accelnb.worker.rank_body import (
     chdir_quietly,
     compile_in_process,
@@ -120,7 +121,6 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     chdir_quietly(spec.cwd)
     sys.path[:] = spec.sys_path
     install_streams()
-    plain_process.shed_the_notebook()  # a fork of the kernel must not look like a notebook
     # Straight to fd 2, which survives a user replacing sys.stderr.
     faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)
@@ -138,7 +138,7 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     torch.set_num_threads(max(1, spec.threads_per_rank))
     compile_in_process()
     process_group.join_default_group(spec, store_fd, torch, dist)
-    launches_inside.install(spec)  # mp.spawn & co. run in place, or refuse
+    launches_inside.place(spec)  # mp.spawn & co. run in place, or refuse
     step_timing.install()  # steps and where their time goes, for the straggler watch
     library_progress.install()  # rank 0's tqdm and rich bars become the cell's progress bar
     accelerate_trigger.install()  # Accelerate's check_trigger() answers a Stop press too

@@ -158,7 +158,7 @@ class RankActor:
         compile_in_process()
         store_fd = self._store_socket.fileno() if self._store_socket is not None else None
         process_group.join_default_group(spec, store_fd, torch, dist)
-        launches_inside.install(spec)  # mp.spawn & co. run in place, or refuse
+        launches_inside.place(spec)  # mp.spawn & co. run in place, or refuse
         step_timing.install()  # steps and where their time goes, for the straggler watch
         library_progress.install()  # rank 0's tqdm and rich bars become the cell's progress bar
 

@@ -29,7 +29,7 @@ from typing import Any
 
 from accelnb.kernel.doctor.gpu_health import GpuFacts, read_gpu_facts
 from accelnb.kernel.doctor.report import Check, DoctorReport
-from accelnb.kernel.helper.client import running_helper_pid
+from accelnb.kernel.helper.template import running_helper_pid
 from accelnb.kernel.planning.selection import current_selection
 from accelnb.kernel.run.run_state import current_run
 

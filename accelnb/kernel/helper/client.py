@@ -1,18 +1,18 @@
-"""The kernel's handle on accelnb's helper process (see ``worker/helper.py`` for the why).
+"""The kernel's handle on a template process (see ``worker/helper.py`` for the why).
 
-One helper serves a kernel; it is started on first use (or ahead of time by :func:`prewarm`) and
-replaced, after being closed, when it died. In a kernel that imported torch it is first forked
-from the kernel (milliseconds) and later replaced by a spawned one (``fork_or_spawn`` says why).
-Usually only the thread that launches talks to it; a sweep (``accelnb.sweep``) runs several
-launches at once, one thread each, on this one helper, so every exchange on its socket holds the
-helper's lock: a spawn request and its answer are one exchange (no thread reads another's answer),
-and a worker's exit, whichever thread reads it, waits in :meth:`WorkerHelper.take_exit` for the
-group that owns the pid.
+A :class:`WorkerHelper` is one running template: a fresh interpreter (``python -m
+accelnb.worker.helper``, never a fork of the kernel) and the private socket to it. Which template
+the kernel uses, and when it is replaced, is ``kernel/helper/template.py``'s business. Usually only
+the thread that launches talks to it; a sweep (``accelnb.sweep``) runs several launches at once,
+one thread each, on this one template, so every exchange on its socket holds its lock: a spawn
+request and its answer are one exchange (no thread reads another's answer), and a worker's exit,
+whichever thread reads it, waits in :meth:`WorkerHelper.take_exit` for the group that owns the pid.
 
-    >>> helper = shared_helper()            # ms when forked; 1-2 s when spawned (import torch)
-    >>> pids = helper.spawn(specs, fds)     # ms: forks one worker per spec
+    >>> helper = WorkerHelper()                          # 1-2 s until ready (import torch)
+    >>> helper.follow(["transformers"], wait=True)       # imports what the kernel has
+    >>> pids = helper.spawn(specs, fds)                  # ms: forks one worker per spec
 
-The helper can die at any moment (the OOM killer picks it, a user's ``kill``). Its end of the
+The template can die at any moment (the OOM killer picks it, a user's ``kill``). Its end of the
 socket then closes: :attr:`WorkerHelper.lost` becomes True, whoever waits on it stops waiting,
 and :meth:`WorkerHelper.death` says how it ended. Its workers die with it (``PR_SET_PDEATHSIG``).
 
@@ -22,13 +22,13 @@ killed before the interrupt goes on, so no worker outlives a launch that never l
 
 from __future__ import annotations
 
-import atexit
 import os
 import pickle
 import select
 import signal
 import socket
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -37,13 +37,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from accelnb.errors import WorkerStartError
-from accelnb.kernel.helper.fork_or_spawn import ForkedHelper, StartMethod, spawn_helper, start_method
 from accelnb.kernel.run.call_outcome import HelperExit
 from accelnb.kernel.run.failure_report import helper_died
 from accelnb.wire.spec import WorkerSpec
+from accelnb.wire.template import FollowImports
 
+HELPER_MODULE = "accelnb.worker.helper"  # named, not imported: it runs on the worker side
 START_TIMEOUT_S = 120.0
 SPAWN_TIMEOUT_S = 60.0
+# A launch waits this long for the template to import what the kernel has (transformers and its
+# dependencies take seconds; a slow file system or a loaded machine, more).
+FOLLOW_TIMEOUT_S = 300.0
 RECLAIM_WAIT_S = 2.0  # an interrupted spawn: how long to wait for the pids of what was forked
 DEATH_STATUS_WAIT_S = 1.0  # its socket closed: how long the process may take to be reapable
 
@@ -51,8 +55,7 @@ StepHook = Callable[[str], None]  # called at named steps; tests inject faults t
 
 
 class HelperSource(Protocol):
-    """Where a launch gets its ready helper: :func:`shared_helper`, or one forked for the launch
-    (``payload_delivery.LaunchHelper``)."""
+    """Where a launch gets its ready template: ``template.shared_helper``, or a test's own."""
 
     def __call__(self, *, on_step: StepHook | None = None) -> WorkerHelper: ...
 
@@ -65,26 +68,41 @@ class WorkerExit:
     time: float  # wall time of the reaping
 
 
-class WorkerHelper:
-    """A running helper process and the worker exits it reported."""
+class TemplateUnsafe(Exception):
+    """An import made the template unfit to fork (it started a thread or CUDA): use another."""
 
-    def __init__(self, preimports: Sequence[str] = (), method: StartMethod = "spawn") -> None:
+    def __init__(self, module: str, reason: str) -> None:
+        super().__init__(f"importing {module} made accelnb's template unsafe to fork: {reason}")
+        self.module = module
+
+
+class WorkerHelper:
+    """A running template process and the worker exits it reported."""
+
+    def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        # The helper must import this very accelnb, wherever the kernel found it.
+        # The template must import this very accelnb, wherever the kernel found it.
         package_parent = str(Path(os.path.abspath(__file__)).parents[3])  # accelnb/kernel/helper/client.py
         python_path = os.pathsep.join(p for p in (package_parent, os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1", "PYTHONPATH": python_path}
         try:
-            self._process: subprocess.Popen[bytes] | ForkedHelper = (
-                ForkedHelper(theirs.fileno()) if method == "fork"
-                else spawn_helper(theirs.fileno(), tuple(preimports), env))
+            self._process = subprocess.Popen(
+                [sys.executable, "-m", HELPER_MODULE, str(theirs.fileno())],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                start_new_session=True,  # the notebook's interrupt must not reach it
+                env=env,
+            )
         except BaseException:
             ours.close()
             raise
         finally:
             theirs.close()
-        self.method = method
         self.workers_started = 0  # how many it forked, ever
+        self.considered: set[str] = set()  # modules of the kernel's it was asked for, or need not be
+        self.unsafe: TemplateUnsafe | None = None  # set once an import made it unfit to fork
         self._live_pids: set[int] = set()  # forked and not reported exited
         self._sock = ours
         self._ready = False
@@ -155,6 +173,41 @@ class WorkerHelper:
             self._process.kill()
             self._process.wait()
 
+    # ── following the kernel's imports ──────────────────────────────────────────────────────
+    def follow(self, modules: Sequence[str], *, wait: bool) -> None:
+        """Ask the template to import ``modules`` in this process's ``sys.path``, working directory
+        and environment as they are now (see ``wire/template.py``).
+
+        ``wait``: a launch is about to fork; block until they are imported (raises
+        :class:`TemplateUnsafe` when one made the template unfit, ``HelperDied`` when it died).
+        Otherwise the template imports them while it has no ranks, and this returns at once.
+        """
+        with self._lock:
+            self._raise_if_unsafe()
+            self._next_request += 1
+            request = FollowImports(self._next_request, tuple(modules), tuple(sys.path), os.getcwd(),
+                                    dict(os.environ), urgent=wait)
+            try:
+                self._sock.send(pickle.dumps(request))
+            except OSError:
+                if self._peer_closed():
+                    raise helper_died(self.death(), "while importing what the notebook imported") from None
+                raise
+            if not wait:
+                return
+            reply = self._await_reply(request.request_id, time.monotonic() + FOLLOW_TIMEOUT_S, ("followed", "unsafe"))
+            if reply is None and self.lost:
+                raise helper_died(self.death(), "while importing what the notebook imported")
+            if reply is None:
+                raise WorkerStartError(
+                    f"accelnb's template did not import what the notebook imported within {FOLLOW_TIMEOUT_S:g} s. "
+                    f"Check that importing these is quick in a plain python: {', '.join(modules) or '(none new)'}.")
+            self._raise_if_unsafe()
+
+    def _raise_if_unsafe(self) -> None:
+        if self.unsafe is not None:
+            raise self.unsafe
+
     # ── forking workers ─────────────────────────────────────────────────────────────────────
     def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[int], on_step: StepHook | None = None) -> list[int]:
         """Fork one worker per spec; ``fds`` are their pipe ends in order (see worker/helper.py).
@@ -175,7 +228,7 @@ class WorkerHelper:
             try:
                 if on_step is not None:
                     on_step("spawn-requested")
-                reply = self._await_reply(request, time.monotonic() + SPAWN_TIMEOUT_S)
+                reply = self._await_reply(request, time.monotonic() + SPAWN_TIMEOUT_S, ("spawned", "spawn_failed"))
             except BaseException:
                 self._reclaim(request)
                 raise
@@ -192,11 +245,11 @@ class WorkerHelper:
             self._live_pids.update(pids)
             return pids
 
-    def _await_reply(self, request: int, deadline: float) -> Any | None:
-        """The helper's answer to ``request``; None when it died or the deadline passed."""
+    def _await_reply(self, request: int, deadline: float, kinds: tuple[str, ...]) -> Any | None:
+        """The template's answer to ``request``; None when it died or the deadline passed."""
         while not self.lost:
             message = self._receive(timeout=max(0.0, deadline - time.monotonic()))
-            if message is not None and message[0] in ("spawned", "spawn_failed") and message[1] == request:
+            if message is not None and message[0] in kinds and message[1] == request:
                 return message
             if message is None and time.monotonic() >= deadline:
                 return None
@@ -207,7 +260,7 @@ class WorkerHelper:
         self._abandoned_requests.add(request)  # a late answer is reclaimed in _note
         try:
             deadline = time.monotonic() + RECLAIM_WAIT_S
-            reply = self._await_reply(request, deadline)
+            reply = self._await_reply(request, deadline, ("spawned", "spawn_failed"))
             if reply is not None and reply[0] == "spawned":
                 self.wait_for_exits(reply[2], deadline)
         except KeyboardInterrupt:
@@ -284,6 +337,8 @@ class WorkerHelper:
             self.forget(message[2])
         elif message[0] == "spawn_failed":
             self._abandoned_requests.discard(message[1])
+        elif message[0] == "unsafe" and self.unsafe is None:
+            self.unsafe = TemplateUnsafe(message[2], message[3])
 
     def _peer_closed(self) -> bool:
         self.collect()
@@ -311,86 +366,3 @@ def _kill_group(pid: int) -> None:
             kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
-
-
-_shared: WorkerHelper | None = None
-_successor: WorkerHelper | None = None  # a spawned helper warming up to replace a forked one
-_shared_lock = threading.Lock()
-_exit_hook_registered = False
-
-
-def shared_helper(wait: bool = True, on_step: StepHook | None = None) -> WorkerHelper:
-    """The kernel's helper process, started (or, after closing the dead one, restarted) when needed.
-
-    A new helper is forked from the kernel where that is safe (``fork_or_spawn.start_method``),
-    else spawned. A forked one is a bridge: once it has started workers, a spawned successor is
-    started in the background, and it takes over at the first call that finds it ready and the
-    bridge without workers (see ``fork_or_spawn`` for why).
-
-    ``on_step("helper-starting")`` runs before waiting for a helper that is not ready yet (tests).
-    """
-    global _shared, _exit_hook_registered
-    with _shared_lock:
-        if _shared is not None and not _shared.alive:
-            _shared.close()
-            _shared = None
-        if _shared is None:
-            if not _exit_hook_registered:
-                atexit.register(shutdown_helper)
-                _exit_hook_registered = True
-            _shared = _take_successor() or WorkerHelper(method=start_method())
-        elif _shared.method == "fork":
-            _retire_bridge()
-        helper = _shared
-    if wait:
-        try:
-            helper.wait_ready(on_step)
-        except WorkerStartError:
-            helper.close()  # dead or hopeless: the next launch starts afresh
-            raise
-    return helper
-
-
-def _retire_bridge() -> None:
-    """Start the forked helper's successor once it has served a launch; switch when it is ready."""
-    global _shared, _successor
-    bridge = _shared
-    assert bridge is not None
-    if bridge.workers_started == 0:
-        return
-    if _successor is None:
-        _successor = WorkerHelper(method="spawn")
-        return
-    bridge.collect()  # worker exits it reported
-    if not bridge.has_workers and _successor.poll_ready():
-        _shared = _take_successor()
-        bridge.close()
-
-
-def _take_successor() -> WorkerHelper | None:
-    global _successor
-    successor, _successor = _successor, None
-    if successor is not None and not successor.alive:
-        successor.close()
-        return None
-    return successor
-
-
-def running_helper_pid() -> int | None:
-    """The pid of this kernel's helper process while one runs, else None (nothing is started)."""
-    helper = _shared
-    return helper.pid if helper is not None and helper.alive else None
-
-
-def prewarm() -> None:
-    """Start the helper now, so that the first launch does not wait for ``import torch``."""
-    shared_helper(wait=False)
-
-
-def shutdown_helper() -> None:
-    global _shared, _successor
-    with _shared_lock:
-        for helper in (_shared, _successor):
-            if helper is not None:
-                helper.close()
-        _shared = _successor = None

@@ -10,11 +10,15 @@ function uses) is at fault and what type it is, before any process starts.
 from __future__ import annotations
 
 import inspect
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from accelnb.errors import LaunchConfigError, UnpicklableError
+from accelnb.kernel.display.output import notebook_sink
 from accelnb.wire.buffers import Packed, dump
+
+BIG_PICKLE_BYTES = 100 * 2**20
 
 _HINT = ("Create it inside the function instead (workers are separate processes), or pass "
          "something that can be pickled, such as a file path or a config dict.")
@@ -30,10 +34,22 @@ def pack_call(fn: Callable[..., Any], args: Sequence[Any], kwargs: Mapping[str, 
         raise LaunchConfigError(
             f"args must be a tuple of positional arguments, got {type(args).__name__}. "
             "For one argument write args=(value,).")
+    started = time.perf_counter()
     try:
-        return dump((fn, tuple(args), dict(kwargs)))
+        packed = dump((fn, tuple(args), dict(kwargs)))
     except Exception as error:
         raise _find_culprit(fn, args, kwargs, error) from None
+    if len(packed.body) > BIG_PICKLE_BYTES:
+        notebook_sink("stderr", big_pickle_note(len(packed.body), time.perf_counter() - started))
+    return packed
+
+
+def big_pickle_note(size: int, seconds: float) -> str:
+    """What the cell says of a call whose pickle is ``size`` bytes (see the module docstring)."""
+    return (f"accelnb: the function and its arguments pickle to {size / 2**20:.0f} MiB ({seconds:.1f} s to pickle, "
+            "and each rank unpickles them again). Tensors and numpy arrays travel without pickling, through "
+            "shared memory; for other big data, load it inside the function (pass a file path), or start an "
+            "accelnb.Session and keep it on the ranks between calls.\n")
 
 
 def check_picklable(what: str, value: Any, hint: str = _HINT) -> None:

@@ -22,10 +22,12 @@ from accelnb.errors import LaunchFailed
 from accelnb.kernel.display.metrics_history import MetricHistory
 from accelnb.kernel.display.output import OutputRouter, notebook_sink
 from accelnb.kernel.display.rank_activity import RankActivity
-from accelnb.kernel.helper.client import HelperSource, StepHook, shared_helper
+from accelnb.kernel.display.start_table import show_start
+from accelnb.kernel.helper.client import HelperSource, StepHook
+from accelnb.kernel.helper.template import shared_helper
 from accelnb.kernel.planning import rank_plan
 from accelnb.kernel.planning.ports import bind_rendezvous_socket
-from accelnb.kernel.planning.worker_specs import describe_start, worker_specs
+from accelnb.kernel.planning.worker_specs import worker_specs
 from accelnb.kernel.run import run_state
 from accelnb.kernel.run.call_settings import CallSettings
 from accelnb.kernel.run.failure_report import exception_for, interrupted_outside_call, start_interrupted
@@ -97,9 +99,11 @@ class MetricRoute:
         if final and not self.activity.counting:
             return
         self._published = now
-        lines = {row.rank: row.describe() for row in self.activity.rows()}
+        rows = {row.rank: row for row in self.activity.rows()}
         for state in run.ranks:
-            state.progress = lines.get(state.rank, state.progress)
+            row = rows.get(state.rank)
+            if row is not None:
+                state.progress, state.figures = row.describe(), row.figures()
         run_state.publish()
 
     def call_ended(self) -> None:
@@ -143,7 +147,7 @@ def start_workers(the_plan: rank_plan.LaunchPlan, master_port: int | None, *, pe
         group = WorkerGroup(the_plan, helper, router, persistent=persistent, on_step=on_step)
         group.start(worker_specs(the_plan, persistent, restart_count, threads=threads), store_socket)
         if not quiet:
-            notebook_sink("stdout", describe_start(the_plan, [w.pid for w in group.workers]) + "\n")
+            show_start(the_plan, [w.pid for w in group.workers])
         _step(on_step, "started")
         return group
     except BaseException as error:

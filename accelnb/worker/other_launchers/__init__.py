@@ -6,8 +6,6 @@ reason such code fails inside an accelnb rank:
 
 - ``process_group``: the code's own ``init_process_group``/``destroy_process_group`` calls
   reconcile with the group accelnb made;
-- ``plain_process``: a rank forked from the kernel looks like a plain Python process, so
-  libraries stop acting as if they ran in a notebook;
 - ``launches_inside``: a launcher called inside a rank (``mp.spawn``, Accelerate's
   ``notebook_launcher``, Lightning's fork strategies, accelnb itself) runs in place on the rank
   when the numbers agree, and otherwise fails at once with what to write instead;

@@ -8,7 +8,8 @@ start the processes again, N per rank: they rendezvous on the same fixed port (2
 fail with "address already in use", or wait for peers that never come, or pickle a notebook
 function that does not exist in a fresh interpreter.
 
-So in a rank these entry points are accelnb's (:func:`install`):
+So in a rank these entry points are accelnb's (:func:`patch` in the template, before it imports
+the kernel's modules; :func:`place` in the rank):
 
 - ``torch.multiprocessing.spawn`` / ``start_processes`` with ``join=True``, and
   ``torch.distributed.launcher.api.elastic_launch`` with a function: when the number of processes
@@ -51,13 +52,13 @@ _installed = False
 _place: tuple[int, int, int, int] | None = None
 
 
-def install(spec: WorkerSpec) -> None:
-    """Make this rank's ``mp.spawn``, ``mp.start_processes`` and ``elastic_launch`` accelnb's."""
-    global _installed, _place
+def patch() -> None:
+    """Make ``mp.spawn``, ``mp.start_processes`` and ``elastic_launch`` accelnb's: they act as
+    torch's until :func:`place` gave them a rank. Done in the template before it imports the
+    kernel's modules, so that a name a module binds at import is accelnb's too; idempotent."""
+    global _installed
     if _installed:
         return
-    local_world = int(spec.env.get("LOCAL_WORLD_SIZE", spec.world_size))
-    _place = (spec.rank, spec.world_size, spec.local_rank, local_world)
     import torch.multiprocessing as mp
 
     # The module, not torch.multiprocessing's attribute of the same name (the function spawn).
@@ -68,6 +69,14 @@ def install(spec: WorkerSpec) -> None:
     mp.spawn = spawn_module.spawn = _in_place_spawn(spawn_module.spawn)  # type: ignore[assignment]
     when_imported(_ELASTIC_API, _replace_elastic_launch)
     _installed = True
+
+
+def place(spec: WorkerSpec) -> None:
+    """This process is rank ``spec.rank``: a launcher called from here on runs in place, or refuses."""
+    global _place
+    patch()
+    local_world = int(spec.env.get("LOCAL_WORLD_SIZE", spec.world_size))
+    _place = (spec.rank, spec.world_size, spec.local_rank, local_world)
 
 
 # torchelastic's launcher API: importing it costs a rank 25 ms, which most launches never need,
@@ -111,6 +120,8 @@ def _in_place_start_processes(original: Callable[..., Any]) -> Callable[..., Any
 
     @functools.wraps(original)
     def start_processes(*args: Any, **kwargs: Any) -> Any:
+        if _place is None:  # not a rank (the template): torch's
+            return original(*args, **kwargs)
         asked = signature.bind(*args, **kwargs)
         asked.apply_defaults()
         chosen = asked.arguments
@@ -125,6 +136,8 @@ def _in_place_spawn(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def spawn(*args: Any, **kwargs: Any) -> Any:
+        if _place is None:  # not a rank (the template): torch's
+            return original(*args, **kwargs)
         asked = signature.bind(*args, **kwargs)
         asked.apply_defaults()
         chosen = asked.arguments
@@ -164,6 +177,8 @@ def _elastic_launch_in_place(original: type) -> type:
             self._entrypoint = entrypoint
 
         def __call__(self, *args: Any) -> dict[int, Any]:
+            if _place is None:  # not a rank (the template): torch's
+                return original(self._config, self._entrypoint)(*args)  # type: ignore[no-any-return]
             rank, _, _, local_world = _where()
             launcher = "torch.distributed elastic_launch() (Accelerate's notebook_launcher, torchrun's API)"
             nprocs = int(self._config.nproc_per_node)

@@ -32,8 +32,10 @@ gloo), not a hidden one of ours.
 
 Only the name ``init_process_group`` is replaced, in ``torch.distributed`` and in
 ``torch.distributed.distributed_c10d`` where torch defines it (a function pickled from the
-notebook, or imported with ``from torch.distributed import init_process_group`` in the rank,
-resolves to it), and only in the rank; the original is called with its own signature
+notebook resolves to it), and only in the template and its ranks (:func:`route_through_accelnb`).
+The template replaces it before it imports any of the kernel's modules, so a module's
+``from torch.distributed import init_process_group`` binds accelnb's too (pytorch/examples'
+DDP series does that at import); the original is called with its own signature
 (``inspect.signature(...).bind``), so a new keyword in a torch release passes through.
 ``tests/test_process_group.py`` checks the names and parameters this relies on.
 """
@@ -99,7 +101,7 @@ def join_default_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist:
     original = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)  # torch's, even if installed
     _launched = _Launched(spec, store, device_id if spec.backend == "nccl" else None, original)
     _make_accelnb_group(dist)
-    install(dist)
+    route_through_accelnb(dist)  # the template did already; a no-op then
 
 
 def ensure_default_group() -> None:
@@ -132,12 +134,15 @@ def every_rank_arrives(name: str, world_size: int, timeout_s: float) -> None:
         raise TimeoutError(f"{int(_launched.store.add(arrived_key, 0))} of {world_size} ranks arrived") from error
 
 
-def install(dist: Any) -> None:
-    """Replace ``init_process_group`` in this rank by :func:`_init_process_group_in_a_launch`."""
+def route_through_accelnb(dist: Any) -> None:
+    """Make ``init_process_group`` :func:`_init_process_group_in_a_launch` (torch's own until a
+    launch joined this process to its group). Done in the template before it imports the kernel's
+    modules, so that a name a module binds at import is this one; idempotent."""
     import torch.distributed.distributed_c10d as c10d
 
-    assert _launched is not None
-    adopting = functools.wraps(_launched.original_init)(_init_process_group_in_a_launch)
+    if hasattr(dist.init_process_group, "__wrapped__"):
+        return
+    adopting = functools.wraps(dist.init_process_group)(_init_process_group_in_a_launch)
     dist.init_process_group = adopting
     c10d.init_process_group = adopting  # type: ignore[assignment]
     when_imported("accelerate.state", _honour_accelerates_timeout)
@@ -251,7 +256,10 @@ def _init_process_group_in_a_launch(*args: Any, **kwargs: Any) -> None:
     """``torch.distributed.init_process_group`` inside an accelnb launch (see the module docstring)."""
     import torch.distributed as dist
 
-    assert _launched is not None
+    if _launched is None:  # not in a launch's rank (the template, or a rank that never joined): torch's
+        original: Callable[..., None] = dist.init_process_group.__wrapped__  # type: ignore[attr-defined]
+        original(*args, **kwargs)
+        return
     asked = inspect.signature(_launched.original_init).bind(*args, **kwargs).arguments
     _refuse_other_numbers(asked)
     requested = {name: asked[name] for name in ("timeout", "pg_options", "device_id", "group_name")

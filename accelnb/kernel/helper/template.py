@@ -1,0 +1,169 @@
+"""The kernel's template: the one clean process its ranks are forked from, kept in step with it.
+
+A process (a kernel, or a script) has one current template (``worker/helper.py`` says what it is).
+It is started on first use, ahead of time by :func:`prewarm` (``%load_ext accelnb``), or after a
+cell of a kernel that imported accelnb (:func:`follow_in_background`, which the notebook side
+calls from IPython's ``post_run_cell``), so that the first launch finds it warm. It follows the
+kernel's imports (``kernel_imports.modules_to_follow``): after each cell in the background, and
+before each launch, which waits until it imported what is new.
+
+It is replaced, by a fresh one that imports everything again, when
+
+- it died (the OOM killer, a user's ``kill``);
+- it is stale (``kernel_imports.Freshness``: a package installed, a module's file changed);
+- an import made it unsafe to fork (a thread, CUDA): the next one leaves that module out, and the
+  ranks import it themselves.
+
+A replaced template whose ranks still run (a session's) is retired, not closed: closing it would
+end them. It is closed once they have all ended (checked whenever a template is looked for), or
+when the kernel exits.
+
+    >>> helper = shared_helper()     # ready, and has imported what this process has
+    >>> follow_in_background()       # after a cell: start or feed the template, never block
+
+Module-level state: one current template per process, the retired ones, and the modules found
+unsafe, under one lock (the launches of a sweep run on threads).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import threading
+
+from accelnb.errors import WorkerStartError
+from accelnb.kernel.helper.client import StepHook, TemplateUnsafe, WorkerHelper
+from accelnb.kernel.helper.kernel_imports import Freshness, modules_to_follow
+
+# "off" (or "0", "no"): no template is started nor fed in the background; a launch still starts
+# one and has it import what the kernel has, then waits for it.
+TEMPLATE_VARIABLE = "ACCELNB_TEMPLATE"
+
+_current: WorkerHelper | None = None
+_freshness = Freshness()  # what the current template's imports depended on
+_retired: list[WorkerHelper] = []  # replaced while ranks of theirs ran
+_unsafe_modules: set[str] = set()  # imports that made a template unfit to fork
+_lock = threading.Lock()
+_exit_hook_registered = False
+MAX_UNSAFE_TEMPLATES = 4  # each try leaves out one more module; a loop past this is a bug of ours
+
+
+def shared_helper(wait: bool = True, on_step: StepHook | None = None) -> WorkerHelper:
+    """This process's template, ready and in step with its imports (``wait=False``: just started).
+
+    ``on_step("helper-starting")`` runs before waiting for a template that is not ready yet (tests).
+    """
+    for _ in range(MAX_UNSAFE_TEMPLATES):
+        with _lock:
+            helper = _current_template()
+        if not wait:
+            return helper
+        try:
+            helper.wait_ready(on_step)
+            _follow(helper, wait=True)
+        except TemplateUnsafe as unsafe:  # the next template leaves that module out
+            with _lock:
+                _unsafe_modules.add(unsafe.module)
+                _replace(helper)
+            continue
+        except WorkerStartError:
+            helper.close()  # dead or hopeless: the next launch starts afresh
+            raise
+        return helper
+    raise WorkerStartError(
+        f"{MAX_UNSAFE_TEMPLATES} templates in a row became unsafe to fork while importing what the notebook "
+        f"imported ({', '.join(sorted(_unsafe_modules))} started threads or CUDA). Set {TEMPLATE_VARIABLE}=off "
+        "and report this to accelnb.")
+
+
+def follow_in_background() -> None:
+    """After a cell: start the template if there is none (or replace a stale one) and ask it to
+    import what the kernel imported since; returns at once. Never raises: a launch would meet the
+    same problem and report it."""
+    if not background_warming():
+        return
+    try:
+        with _lock:
+            helper = _current_template()
+        if helper.poll_ready():
+            helper.collect()  # worker exits, and an "unsafe" it may have sent
+            if helper.unsafe is not None:
+                with _lock:
+                    _unsafe_modules.add(helper.unsafe.module)
+                    _replace(helper)
+                    helper = _current_template()
+        _follow(helper, wait=False)
+    except Exception:  # a cell's end is no place for accelnb's errors
+        return
+
+
+def background_warming() -> bool:
+    """Whether templates start and follow the kernel on their own (``ACCELNB_TEMPLATE``)."""
+    return os.environ.get(TEMPLATE_VARIABLE, "on").strip().lower() not in ("off", "0", "no", "false")
+
+
+def prewarm() -> None:
+    """Start the template now, so that the first launch does not wait for ``import torch``."""
+    shared_helper(wait=False)
+    follow_in_background()
+
+
+def running_helper_pid() -> int | None:
+    """The pid of this process's template while one runs, else None (nothing is started)."""
+    helper = _current
+    return helper.pid if helper is not None and helper.alive else None
+
+
+def shutdown_helper() -> None:
+    """End every template of this process (their ranks with them)."""
+    global _current
+    with _lock:
+        for helper in (_current, *_retired):
+            if helper is not None:
+                helper.close()
+        _current = None
+        _retired.clear()
+
+
+def _follow(helper: WorkerHelper, *, wait: bool) -> None:
+    with _lock:
+        names = modules_to_follow(helper.considered, _unsafe_modules)
+        if helper is _current:
+            _freshness.add(names)
+    if names or wait:  # a launch asks even for none: it waits for what earlier cells asked for
+        helper.follow(names, wait=wait)
+
+
+def _current_template() -> WorkerHelper:
+    """The current template, replaced first if it died, went stale or unsafe (hold ``_lock``)."""
+    global _current, _freshness, _exit_hook_registered
+    if _current is not None and (not _current.alive or _current.unsafe is not None or _freshness.stale_because()):
+        _replace(_current)
+    _close_retired_without_ranks()
+    if _current is None:
+        if not _exit_hook_registered:
+            atexit.register(shutdown_helper)
+            _exit_hook_registered = True
+        _current = WorkerHelper()
+        _freshness = Freshness.now()
+    return _current
+
+
+def _replace(helper: WorkerHelper) -> None:
+    """``helper`` serves no new launch: closed now, or retired while ranks of it run (hold ``_lock``)."""
+    global _current
+    if helper is _current:
+        _current = None
+    if helper.alive and helper.has_workers:
+        _retired.append(helper)
+    else:
+        helper.close()
+
+
+def _close_retired_without_ranks() -> None:
+    for helper in list(_retired):
+        if helper.alive:
+            helper.collect()
+        if not helper.alive or not helper.has_workers:
+            helper.close()
+            _retired.remove(helper)

@@ -1,0 +1,34 @@
+"""What the kernel tells its template about the imports to follow (``worker/helper.py``'s protocol).
+
+The template (accelnb's helper process, the clean interpreter every rank is forked from) imports
+what the kernel has imported, so that a rank finds its libraries loaded without being a fork of
+the kernel. The kernel sends a :class:`FollowImports` after a cell or before a launch; the
+template takes the kernel's ``sys.path``, working directory and environment as they are in it,
+imports each module, and answers ``("followed", request_id, failed)`` once all were tried, or
+``("unsafe", request_id, module, reason)`` when an import left it unfit to fork (a thread started,
+CUDA initialised): it then forks nothing more, and the kernel starts another without that module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Asked for ahead of the kernel's own modules: what training touches first and a kernel may not
+# have imported yet (an optimizer's first step imports torch._dynamo: ~1.1 s idle, ~3 s under load).
+TRAINING_PREIMPORTS = ("torch._dynamo", "accelerate")
+
+
+@dataclass(frozen=True)
+class FollowImports:
+    """Import ``modules`` (top-level names, in order) in the kernel's ``sys_path``, ``cwd`` and ``env``.
+
+    ``urgent``: a launch waits for the answer, so the template imports even while ranks it forked
+    run (otherwise it imports only while it has none: an import delays reporting their exits).
+    """
+
+    request_id: int
+    modules: tuple[str, ...]
+    sys_path: tuple[str, ...]
+    cwd: str
+    env: dict[str, str]
+    urgent: bool = False
