@@ -18,6 +18,8 @@ The protocol (every message is the ``data`` of a Jupyter comm message, a JSON ob
       {"type": "select", "num_processes": 2} ─►  set_selection(num_processes=2)
       {"type": "select", "gpus": []}        ──►  clear_selection()  (so does a select with neither)
       {"type": "refresh"}                   ──►  read the inventory again, answer with a state
+      {"type": "watch", "on": true}         ──►  read it every WATCH_INTERVAL_S while the panel is
+                                                 shown (its utilisation history); false: stop
       {"type": "stop"}                      ──►  run_state.request_stop()
       {"type": "stacks"}                    ──►  every rank's stack, read on a thread; nothing stops
                                             ◄──  {"type": "stacks", "taken_at": "HH:MM:SS",
@@ -33,12 +35,16 @@ A state message::
 
     {"type": "state",
      "inventory": {"gpus": [{"index", "name", "uuid", "pci_bus_id", "memory_total",
-                             "memory_used", "utilization", "visible",
-                             "processes": [{"pid", "memory_used"}]}],   # bytes, percent
+                             "memory_used", "utilization", "power_w", "visible",   # bytes, percent
+                             "processes": [{"pid", "memory_used", "name", "user", "ours"}],
+                             "history": [[seconds_ago, percent]],   # the last minute, oldest first
+                             "busy": str}],   # why a selected GPU is taken by others, or ""
                    "synthetic": bool, "source": "nvml" | "none" | "synthetic", "note": str},
      "selection": {"gpus": [int] | null, "num_processes": int | null, "magic_line": str},
      "run": null | {"run_id": int, "finished": bool, "stop_pending": null | str,
-                    "ranks": [{"rank", "device", "phase", "pid", "detail", "progress"}]},
+                    "ranks": [{"rank", "device", "phase", "pid", "detail", "progress",
+                               "figures"?: {"steps", "steps_per_s", "gpu_utilization",
+                                            "gpu_memory_used", "gpu_memory_total"}}]},
      "sweep": null | {"sweep_id": int, "finished": bool,
                       "trials": [{"index", "label", "gpus": [int], "state"}]}}
 
@@ -46,21 +52,28 @@ During a sweep (``accelnb.sweep``) several launches run at once: ``run`` is the 
 and ``sweep`` says which trial each GPU runs (a trial's ``gpus`` while its ``state`` is
 ``"running"``); it is sent when a trial starts or ends.
 
+A rank's ``figures`` are absent until its first step. GPU rows are made by
+:func:`accelnb.notebook.gpu_watch.gpu_rows`: processes named from ``/proc``, this kernel's own
+(its ranks) marked ``ours``, and ``busy`` set only for a selected GPU.
+
 Each open comm is one panel with its own subscriptions; closing the comm ends them. The
-inventory is read when a panel connects, on ``refresh`` and when a run finishes, not on every
-run change (NVML is not free and runs publish often), and never on the thread that asked: a
-finished run is published from inside the launch (``WorkerGroup.close``), and a comm message may
-be handled inside a launch's wait loop (:mod:`accelnb.notebook.kernel_messages`), so an NVML
-init and shutdown there would delay every launch while a panel is open. Each panel has an
-:class:`InventoryReads`: one background thread that reads when asked and then sends a state;
-until its first read, the panel is sent nothing. Run changes arrive from the launcher's threads:
-ipykernel sends comm messages from any thread through its IOPub thread, so states reach the
-panel while a launch blocks the cell. Messages *from* the panel get through a launch that blocks
-the cell too: while a panel is connected, :func:`accelnb.notebook.kernel_messages.let_comm_messages_through_runs`
-dispatches them from the launch's wait loop (the panel's Stop button still also interrupts the
-kernel, which works in kernels where that hook cannot). So a ``stacks`` request is answered
-during the run; it is served on a thread of its own, because the launch's thread, which handles
-the message, is the one that reads the dumps off the ranks' pipes.
+inventory is read when a panel connects, on ``refresh``, when a run finishes and, while the
+panel is shown (``watch``), every :data:`WATCH_INTERVAL_S`; not on every run change (NVML is not
+free and runs publish often), and never on the thread that asked: a finished run is published
+from inside the launch (``WorkerGroup.close``), and a comm message may be handled inside a
+launch's wait loop (:mod:`accelnb.notebook.kernel_messages`), so an NVML init and shutdown there
+would delay every launch while a panel is open. Each panel has an :class:`InventoryReads`: one
+background thread that reads when asked and then sends a state; until its first read, the panel
+is sent nothing. Each read adds to the kernel's
+:class:`~accelnb.notebook.gpu_watch.UtilizationHistory`, which every panel shows. Run changes
+arrive from the launcher's threads: ipykernel sends comm messages from any thread through its
+IOPub thread, so states reach the panel while a launch blocks the cell. Messages *from* the
+panel get through a launch that blocks the cell too: while a panel is connected,
+:func:`accelnb.notebook.kernel_messages.let_comm_messages_through_runs` dispatches them from the
+launch's wait loop (the panel's Stop button still also interrupts the kernel, which works in
+kernels where that hook cannot). So a ``stacks`` request is answered during the run; it is
+served on a thread of its own, because the launch's thread, which handles the message, is the
+one that reads the dumps off the ranks' pipes.
 
 GPU choices are checked by the planner's own rules (:func:`accelnb.kernel.planning.rank_plan.plan`), so the
 panel's refusals read exactly as a launch's would.
@@ -87,6 +100,7 @@ from accelnb.kernel.planning.rank_plan import plan
 from accelnb.kernel.run import run_state
 from accelnb.kernel.stacks.live import DEFAULT_WAIT_S, NO_DUMP
 from accelnb.kernel.sweep import sweep_state
+from accelnb.notebook.gpu_watch import UtilizationHistory, gpu_rows, kernel_pids
 from accelnb.notebook.kernel_messages import let_comm_messages_through_runs
 
 if TYPE_CHECKING:
@@ -96,9 +110,13 @@ if TYPE_CHECKING:
 TARGET_NAME = "accelnb.gpus"
 
 FIRST_READ_WAIT_S = 10.0  # how long a selection waits for a panel's first inventory read
+WATCH_INTERVAL_S = 2.0  # inventory reads while a panel is shown: 30 points a minute of history
 
 _log = logging.getLogger(__name__)
 _panels: list[PanelConnection] = []
+# One history for the kernel, not one per panel: a panel opened again (a page reload) shows the
+# last minute at once.
+_history = UtilizationHistory()
 
 
 def register_comm_target(shell: InteractiveShell | None = None,
@@ -134,33 +152,64 @@ class InventoryReads:
 
     :meth:`request` returns at once; the thread reads (once for any number of requests made
     while it was reading, then again if more came) and hands each result to ``on_read``
-    together with the error text of a failed read ("" when it worked). The thread exists only
+    together with the error text of a failed read ("" when it worked). :meth:`repeat` has it read
+    every ``interval_s`` as well, until ``repeat(None)`` or :meth:`close`. The thread exists only
     while there is reading to do.
     """
 
     def __init__(self, source: InventorySource, on_read: Callable[[Inventory, str], None]) -> None:
         self._source = source
         self._on_read = on_read
-        self._lock = threading.Lock()
+        self._wake = threading.Condition()
         self._wanted = False
+        self._interval_s: float | None = None
+        self._closed = False
         self._reader: threading.Thread | None = None
         self.first_read = threading.Event()
 
     def request(self) -> None:
-        with self._lock:
+        with self._wake:
             self._wanted = True
-            if self._reader is None:
-                self._reader = threading.Thread(target=self._read_while_wanted, name="accelnb-lab-inventory",
-                                                daemon=True)
-                self._reader.start()
+            self._wake.notify_all()
+            self._ensure_reader()
+
+    def repeat(self, interval_s: float | None) -> None:
+        """Read every ``interval_s`` seconds from now on (starting now); ``None``: only on request."""
+        with self._wake:
+            self._interval_s = interval_s
+            if interval_s is not None and not self._closed:
+                self._wanted = True
+                self._ensure_reader()
+            self._wake.notify_all()
+
+    def close(self) -> None:
+        """No more reads; a read under way still hands its result over."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify_all()
+
+    def _ensure_reader(self) -> None:
+        if self._reader is None and not self._closed:
+            self._reader = threading.Thread(target=self._read_while_wanted, name="accelnb-lab-inventory",
+                                            daemon=True)
+            self._reader.start()
+
+    def _next_read_due(self) -> bool:
+        """Wait for the next read (a request, or the interval); False: no more reading to do."""
+        with self._wake:
+            interval = self._interval_s
+            if not self._wanted and interval is not None and not self._closed:
+                self._wake.wait_for(lambda: self._wanted or self._closed or self._interval_s != interval,
+                                    timeout=interval)
+                self._wanted = self._wanted or self._interval_s == interval  # the interval passed
+            if self._closed or not self._wanted:
+                self._reader = None
+                return False
+            self._wanted = False
+            return True
 
     def _read_while_wanted(self) -> None:
-        while True:
-            with self._lock:
-                if not self._wanted:
-                    self._reader = None
-                    return
-                self._wanted = False
+        while self._next_read_due():
             try:
                 inventory, error = self._source(), ""
             except Exception as failure:  # a bad ACCELNB_SYNTHETIC_GPUS, a broken driver
@@ -217,14 +266,16 @@ class PanelConnection:
                 self._select(data)
             elif kind == "refresh":
                 self._reads.request()  # a state follows the read
+            elif kind == "watch":
+                self._reads.repeat(WATCH_INTERVAL_S if data.get("on") else None)
             elif kind == "stop":
                 run_state.request_stop()
                 self.send_state()
             elif kind == "stacks":
                 threading.Thread(target=self._send_stacks, name="accelnb-lab-stacks", daemon=True).start()
             else:
-                raise ValueError(f"Unknown panel message type {kind!r}; expected select, refresh, stop "
-                                 "or stacks.")
+                raise ValueError(f"Unknown panel message type {kind!r}; expected select, refresh, watch, "
+                                 "stop or stacks.")
         except ValueError as error:  # LaunchConfigError included: the planner's and selection's words
             self._send({"type": "error", "message": str(error)})
             self.send_state()
@@ -268,6 +319,7 @@ class PanelConnection:
 
     def _end(self) -> None:
         self._closed = True
+        self._reads.close()
         for unsubscribe in self._unsubscribe:
             unsubscribe()
         self._unsubscribe = []
@@ -285,6 +337,7 @@ class PanelConnection:
         self.send_state()
 
     def _on_inventory(self, inventory: Inventory, error: str) -> None:
+        _history.add(inventory, time.monotonic())
         self._inventory, self._inventory_error = inventory, error
         self._inventory_known = True
         self.send_state()
@@ -295,7 +348,7 @@ class PanelConnection:
         if self._inventory_error:
             self._send({"type": "error", "message": self._inventory_error})
         self._send(state_message(self._inventory, selection.current_selection(), run_state.current_run(),
-                                 sweep_state.current_sweep()))
+                                 sweep_state.current_sweep(), _history))
 
     def _send(self, data: dict[str, Any]) -> None:
         with self._send_lock:
@@ -313,14 +366,16 @@ def _is_int(value: Any) -> bool:
 
 def state_message(
     inventory: Inventory, chosen: selection.Selection | None, run: run_state.RunState | None,
-    sweep: sweep_state.SweepState | None = None,
+    sweep: sweep_state.SweepState | None = None, history: UtilizationHistory | None = None,
 ) -> dict[str, Any]:
     """The ``state`` message for this inventory, selection, run and sweep (plain JSON types)."""
     chosen = chosen or selection.Selection()
+    held = any(gpu.processes for gpu in inventory.gpus)  # whose processes they are, only if there are any
     return {
         "type": "state",
         "inventory": {
-            "gpus": [dataclasses.asdict(gpu) for gpu in inventory.gpus],
+            "gpus": gpu_rows(inventory, history or UtilizationHistory(), kernel_pids() if held else set(),
+                             chosen.gpus, time.monotonic()),
             "synthetic": inventory.synthetic,
             "source": inventory.source,
             "note": inventory.note,
@@ -334,7 +389,7 @@ def state_message(
             "run_id": run.run_id,
             "finished": run.finished,
             "stop_pending": run.stop_pending,  # the ranks are saving after a Stop: the next press stops now
-            "ranks": [dataclasses.asdict(rank) for rank in list(run.ranks)],
+            "ranks": [_rank_message(rank) for rank in list(run.ranks)],
         },
         "sweep": None if sweep is None else {
             "sweep_id": sweep.sweep_id,
@@ -343,3 +398,12 @@ def state_message(
                        for row in sweep.trials],
         },
     }
+
+
+def _rank_message(rank: run_state.RankState) -> dict[str, Any]:
+    """A rank of the run message; ``figures`` only once it has some (a panel of an older
+    extension, or a rank before its first step, reads the progress line alone)."""
+    message = dataclasses.asdict(rank)
+    if message["figures"] is None:
+        del message["figures"]
+    return message

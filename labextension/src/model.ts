@@ -102,6 +102,20 @@ export class GpuPanelModel {
     this._send({ type: 'select', num_processes: count });
   }
 
+  /**
+   * While the panel is shown, have the kernel read the GPUs every 2 s (their utilisation history);
+   * kept across reconnections, so a restarted kernel is asked again.
+   */
+  watch(on: boolean): void {
+    if (on === this._watching) {
+      return;
+    }
+    this._watching = on;
+    if (this._comm && !this._comm.isDisposed) {
+      this._send({ type: 'watch', on });
+    }
+  }
+
   /** Ask the kernel to read the GPUs again (memory, utilisation). */
   refresh(): void {
     this._send({ type: 'refresh' });
@@ -258,6 +272,9 @@ export class GpuPanelModel {
     };
     // The kernel answers the open with a full state message.
     comm.open({});
+    if (this._watching) {
+      this._send({ type: 'watch', on: true });
+    }
   }
 
   private _closeComm(): void {
@@ -297,5 +314,6 @@ export class GpuPanelModel {
   private _stacksPending = false;
   private _probeWanted = false;
   private _probing = false;
+  private _watching = false;
   private _changed = new Signal<this, void>(this);
 }

@@ -15,7 +15,19 @@ export interface IGpu {
   memory_used: number; // bytes
   utilization: number | null; // percent
   visible: boolean; // usable under the kernel's CUDA_VISIBLE_DEVICES
-  processes: { pid: number; memory_used: number | null }[];
+  processes: IGpuProcess[];
+  // the last minute of utilisation, [seconds ago, percent], oldest first; absent from older kernels
+  history?: [number, number][];
+  busy?: string; // why a selected GPU is taken by another process, or ""
+}
+
+/** A process holding memory on a GPU, as NVML lists it, named from the kernel's /proc. */
+export interface IGpuProcess {
+  pid: number;
+  memory_used: number | null; // bytes
+  name?: string; // "python3 train.py"; "" when the pid is not visible to the kernel
+  user?: string;
+  ours?: boolean; // this kernel or one of its ranks
 }
 
 export interface IInventory {
@@ -42,6 +54,16 @@ export interface IRank {
   // its step, steps/s, waiting share, GPU and host memory, one line (RankRow.describe), at most
   // once a second; absent from a kernel older than the live per-rank view
   progress?: string;
+  // the same as numbers, once the rank has taken a step
+  figures?: IRankFigures;
+}
+
+export interface IRankFigures {
+  steps: number;
+  steps_per_s: number | null;
+  gpu_utilization: number | null; // percent
+  gpu_memory_used: number | null; // bytes
+  gpu_memory_total: number | null;
 }
 
 export interface IRun {
@@ -96,5 +118,6 @@ export type PanelMessage =
   | { type: 'select'; gpus: number[] }
   | { type: 'select'; num_processes: number }
   | { type: 'refresh' }
+  | { type: 'watch'; on: boolean } // read the GPUs every 2 s while the panel is shown
   | { type: 'stop' }
   | { type: 'stacks' };

@@ -2,17 +2,24 @@
  * The "GPUs" side panel: plain DOM, redrawn from the model on every change.
  *
  * Sections, top to bottom: which notebook it follows and whether accelnb is loaded there; a
- * banner when the inventory is synthetic; the GPU table with one checkbox per GPU (or a number
- * of CPU ranks when there is no GPU); the selection as the equivalent `%%distributed` line; the
- * trials of a sweep (which trial each GPU runs, also tagged on its GPU row); the run in progress,
- * one row per rank, with a Stop button and a Stacks button; the last stacks read.
+ * banner when the inventory is synthetic; the GPU table (`gpuTable.ts`: one checkbox per GPU, its
+ * bars and last minute; or a number of CPU ranks when there is no GPU); the selection as the
+ * equivalent `%%distributed` line; the trials of a sweep (which trial each GPU runs, also tagged
+ * on its GPU row); the run in progress (`rankTable.ts`: one line per rank, its detail a click
+ * away) with a Stop button and a Stacks button; the last stacks read.
+ *
+ * While the panel is shown it has the kernel read the GPUs every 2 s, for their history.
  */
 
 import { LabIcon } from '@jupyterlab/ui-components';
+import { Message } from '@lumino/messaging';
 import { Widget } from '@lumino/widgets';
 
+import { el, headedTable } from './dom';
+import { gpuTable } from './gpuTable';
 import { GpuPanelModel } from './model';
-import { IGpu, IRun, ISelection, IStacksMessage, IStateMessage, ISweep, ITrial } from './protocol';
+import { IRun, ISelection, IStacksMessage, IStateMessage, ISweep, ITrial } from './protocol';
+import { rankTable } from './rankTable';
 
 const GPU_ICON_SVG =
   '<svg xmlns="http://www.w3.org/2000/svg" width="16" height="16" viewBox="0 0 24 24">' +
@@ -22,8 +29,6 @@ const GPU_ICON_SVG =
   'H9V9z"/></g></svg>';
 
 export const gpuIcon = new LabIcon({ name: 'accelnb:gpu', svgstr: GPU_ICON_SVG });
-
-const GIB = 2 ** 30;
 
 export class GpuPanelView extends Widget {
   constructor(model: GpuPanelModel) {
@@ -37,6 +42,16 @@ export class GpuPanelView extends Widget {
   dispose(): void {
     this._model.changed.disconnect(this._render, this);
     super.dispose();
+  }
+
+  protected onAfterShow(msg: Message): void {
+    super.onAfterShow(msg);
+    this._model.watch(true);
+  }
+
+  protected onAfterHide(msg: Message): void {
+    super.onAfterHide(msg);
+    this._model.watch(false);
   }
 
   private _render(): void {
@@ -105,56 +120,13 @@ export class GpuPanelView extends Widget {
       label.appendChild(input);
       root.appendChild(label);
     } else {
-      root.appendChild(this._gpuTable(inventory.gpus, selection, trialsByGpu(state.sweep ?? null)));
+      const trials = trialsByGpu(state.sweep ?? null);
+      root.appendChild(gpuTable(inventory.gpus, selection, trials, gpus => this._model.select(gpus)));
     }
     const refresh = el('button', 'jp-Button jp-mod-styled jp-mod-reject accelnb-GpuPanel-refresh', 'Refresh');
     refresh.title = 'Read memory and utilisation again';
     refresh.addEventListener('click', () => this._model.refresh());
     root.appendChild(refresh);
-  }
-
-  private _gpuTable(gpus: IGpu[], selection: ISelection, trials: Map<number, ITrial>): HTMLTableElement {
-    const chosen = new Set(selection.gpus ?? []);
-    const [table, body] = headedTable('accelnb-GpuPanel-gpus', ['', '#', 'GPU']);
-    for (const gpu of gpus) {
-      const row = body.insertRow();
-      row.dataset.gpu = String(gpu.index);
-      const box = document.createElement('input');
-      box.type = 'checkbox';
-      box.checked = chosen.has(gpu.index);
-      box.disabled = !gpu.visible;
-      box.setAttribute('aria-label', `GPU ${gpu.index}`);
-      box.title = gpu.visible ? `Use GPU ${gpu.index}` : "Hidden from this kernel by its CUDA_VISIBLE_DEVICES";
-      // Read every box, not the state this table was drawn from: a second click may come
-      // before the kernel's answer to the first redraws the table.
-      box.addEventListener('change', () => this._model.select(checkedGpus(table)));
-      row.insertCell().appendChild(box);
-      row.insertCell().textContent = String(gpu.index);
-      // A side panel is narrow: the name on one line, the figures on a second one.
-      const about = row.insertCell();
-      about.appendChild(el('div', 'accelnb-GpuPanel-name', gpu.name));
-      const trial = trials.get(gpu.index);
-      if (trial) {
-        const tag = el('div', 'accelnb-GpuPanel-trial', `trial ${trial.index}: ${trial.label}`);
-        tag.title = 'The sweep trial this GPU runs';
-        about.appendChild(tag);
-      }
-      const figures = el('div', 'accelnb-GpuPanel-figures');
-      const memory = `${(gpu.memory_used / GIB).toFixed(1)} / ${(gpu.memory_total / GIB).toFixed(0)} GiB`;
-      figures.appendChild(el('span', 'accelnb-GpuPanel-memory', memory));
-      const utilization = gpu.utilization === null ? 'util –' : `util ${gpu.utilization}%`;
-      figures.appendChild(el('span', 'accelnb-GpuPanel-util', utilization));
-      // Synthetic UUIDs share their first groups, so show both ends; the full one is the tooltip.
-      const shortUuid = gpu.uuid.length > 16 ? `${gpu.uuid.slice(0, 8)}…${gpu.uuid.slice(-4)}` : gpu.uuid;
-      const uuid = el('span', 'accelnb-GpuPanel-uuid', shortUuid);
-      uuid.title = `${gpu.uuid} (bus ${gpu.pci_bus_id})`;
-      figures.appendChild(uuid);
-      about.appendChild(figures);
-      if (!gpu.visible) {
-        row.classList.add('accelnb-mod-hidden');
-      }
-    }
-    return table;
   }
 
   private _renderSelection(root: HTMLElement, selection: ISelection): void {
@@ -210,24 +182,16 @@ export class GpuPanelView extends Widget {
         ? `Run in progress: stop requested (${saving}), ranks are saving`
         : 'Run in progress';
     section.appendChild(el('div', 'accelnb-GpuPanel-runTitle', title));
-    const [table, body] = headedTable('accelnb-GpuPanel-ranks', ['Rank', 'Device', 'State', 'PID', 'Progress']);
-    for (const rank of run.ranks) {
-      const row = body.insertRow();
-      row.dataset.rank = String(rank.rank);
-      row.dataset.phase = rank.phase;
-      row.insertCell().textContent = String(rank.rank);
-      row.insertCell().textContent = rank.device;
-      const phase = row.insertCell();
-      phase.className = `accelnb-GpuPanel-phase accelnb-mod-${rank.phase}`;
-      phase.textContent = rank.phase;
-      if (rank.detail) {
-        phase.title = rank.detail;
-      }
-      row.insertCell().textContent = rank.pid === null ? '' : String(rank.pid);
-      const progress = row.insertCell();
-      progress.className = 'accelnb-GpuPanel-progress';
-      progress.textContent = rank.progress ?? '';
+    if (run.run_id !== this._openRunId) {
+      this._openRanks.clear(); // a new run: its ranks start closed
+      this._openRunId = run.run_id;
     }
+    const table = rankTable(run, this._openRanks, rank => {
+      if (!this._openRanks.delete(rank)) {
+        this._openRanks.add(rank);
+      }
+      this._render();
+    });
     section.appendChild(table);
     if (!run.finished) {
       const stop = el('button', 'jp-Button jp-mod-styled jp-mod-warn accelnb-GpuPanel-stop', saving ? 'Stop now' : 'Stop');
@@ -251,6 +215,8 @@ export class GpuPanelView extends Widget {
   }
 
   private _model: GpuPanelModel;
+  private _openRanks = new Set<number>(); // ranks whose detail the user opened
+  private _openRunId: number | null = null;
 }
 
 function stacksView(stacks: IStacksMessage): HTMLElement {
@@ -269,24 +235,6 @@ function stacksView(stacks: IStacksMessage): HTMLElement {
   return view;
 }
 
-function checkedGpus(table: HTMLTableElement): number[] {
-  const rows = table.querySelectorAll<HTMLTableRowElement>('tbody tr[data-gpu]');
-  return Array.from(rows)
-    .filter(row => row.querySelector<HTMLInputElement>('input[type="checkbox"]')?.checked)
-    .map(row => Number(row.dataset.gpu));
-}
-
-function el(tag: string, className: string, text?: string): HTMLElement {
-  const node = document.createElement(tag);
-  if (className) {
-    node.className = className;
-  }
-  if (text !== undefined) {
-    node.textContent = text;
-  }
-  return node;
-}
-
 /** GPU → the sweep trial running on it now. */
 function trialsByGpu(sweep: ISweep | null): Map<number, ITrial> {
   const byGpu = new Map<number, ITrial>();
@@ -298,14 +246,4 @@ function trialsByGpu(sweep: ISweep | null): Map<number, ITrial> {
     }
   }
   return byGpu;
-}
-
-/** A table of this class with one header row of these titles, and its (empty) body. */
-function headedTable(className: string, titles: string[]): [HTMLTableElement, HTMLTableSectionElement] {
-  const table = el('table', className) as HTMLTableElement;
-  const head = table.createTHead().insertRow();
-  for (const title of titles) {
-    head.appendChild(el('th', '', title));
-  }
-  return [table, table.createTBody()];
 }

@@ -8,6 +8,9 @@ as last built here, not an older installed copy.
 
 Chromium is Debian's (``apt-get install -y chromium fonts-liberation``), never Playwright's
 download. Screenshots go to ``test-artifacts/``: every test that asks for one, and every failure.
+The README's pictures are taken by the tests too (:func:`lab_page.save_picture`): into
+``test-artifacts/`` as well, or into ``docs/images/`` under ``make screenshots``
+(``ACCELNB_PICTURES_DIR=docs/images``).
 """
 
 from __future__ import annotations
@@ -34,6 +37,10 @@ ARTIFACTS = REPO / "test-artifacts"
 CHROMIUM = Path("/usr/bin/chromium")
 BUILT_EXTENSION = REPO / "accelnb" / "labextension"
 SYNTHETIC_GPUS = 4
+# Where the README's pictures go: docs/images under `make screenshots`, else with the other screenshots.
+PICTURES = REPO / os.environ.get("ACCELNB_PICTURES_DIR", "test-artifacts")
+LIGHT_THEME = "JupyterLab Light"
+DARK_THEME = "JupyterLab Dark"
 
 # Kernels start slowly on two cores; Playwright's default 5 s is too short for them.
 expect.set_options(timeout=30_000)
@@ -71,6 +78,11 @@ class LabServer:
     def notebook_url(self, path: str, workspace: str) -> str:
         # A workspace per test, so no test restores the tabs and panels another one left open.
         return f"{self.url}/lab/workspaces/{workspace}/tree/{path}?token={self.token}"
+
+    def set_theme(self, theme: str) -> None:
+        """Make ``theme`` JupyterLab's theme from the next page load on (the user's setting)."""
+        self.api("PUT", "/lab/api/settings/@jupyterlab/apputils-extension:themes",
+                 {"raw": json.dumps({"theme": theme})})
 
     def shut_down_kernels(self) -> None:
         """Free the CPU for the next test (two cores): end every session's kernel."""

@@ -6,9 +6,12 @@ appear); none sleeps.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from playwright.sync_api import Locator, Page, expect
 
 PANEL_ID = "accelnb-gpu-panel"
+PICTURE_MARGIN = 8  # pixels around what a picture shows
 
 
 class LabPage:
@@ -39,7 +42,11 @@ class LabPage:
         return self.page.locator(".jp-NotebookPanel:visible .jp-NotebookPanel-toolbar .accelnb-GpuToolbarItem")
 
     def open_gpu_panel(self) -> Locator:
-        self.page.locator(f'.jp-SideBar .lm-TabBar-tab[data-id="{PANEL_ID}"]').click()
+        """Show the GPUs panel (a click on its tab; none when a restored layout shows it already,
+        where a click would close it)."""
+        tab = self.page.locator(f'.jp-SideBar .lm-TabBar-tab[data-id="{PANEL_ID}"]')
+        if tab.get_attribute("aria-selected") != "true":
+            tab.click()
         panel = self.page.locator(f"#{PANEL_ID}")
         expect(panel).to_be_visible()
         return panel
@@ -47,3 +54,19 @@ class LabPage:
 
 def gpu_checkbox(panel: Locator, index: int) -> Locator:
     return panel.locator(f'tr[data-gpu="{index}"] input[type="checkbox"]')
+
+
+def save_picture(page: Page, path: Path, *regions: Locator) -> None:
+    """A screenshot of the smallest rectangle holding every one of ``regions`` (plus a margin):
+    the README's pictures show the panel and the cell, not the whole window."""
+    boxes = [box for box in (region.bounding_box() for region in regions) if box is not None]
+    assert boxes, "none of the regions to picture is on the page"
+    left = max(0.0, min(b["x"] for b in boxes) - PICTURE_MARGIN)
+    top = max(0.0, min(b["y"] for b in boxes) - PICTURE_MARGIN)
+    right = max(b["x"] + b["width"] for b in boxes) + PICTURE_MARGIN
+    bottom = max(b["y"] + b["height"] for b in boxes) + PICTURE_MARGIN
+    viewport = page.viewport_size or {"width": int(right), "height": int(bottom)}
+    clip = {"x": left, "y": top, "width": min(right, viewport["width"]) - left,
+            "height": min(bottom, viewport["height"]) - top}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(path), clip=clip)  # type: ignore[arg-type]

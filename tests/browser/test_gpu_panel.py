@@ -8,10 +8,10 @@ from __future__ import annotations
 import re
 
 import pytest
-from lab_page import LabPage, gpu_checkbox
+from lab_page import LabPage, gpu_checkbox, save_picture
 from playwright.sync_api import Page, expect
 
-from tests.browser.conftest import ARTIFACTS, SYNTHETIC_GPUS, LabServer
+from tests.browser.conftest import ARTIFACTS, PICTURES, SYNTHETIC_GPUS, LabServer
 
 pytestmark = pytest.mark.browser
 
@@ -36,7 +36,8 @@ def test_panel_lists_gpus_and_selects_for_the_notebook(page: Page, lab_server: L
     expect(lab.toolbar_item()).to_have_text(f"all {SYNTHETIC_GPUS} GPUs")
     expect(panel.locator(".accelnb-GpuPanel-synthetic")).to_contain_text("no real GPUs")
     expect(panel.locator(".accelnb-GpuPanel-magic")).to_have_text("%%distributed")
-    expect(panel.locator('tr[data-gpu="1"]')).to_contain_text(re.compile(r"/ 80 GiB.*util 13%.*GPU-0000"))
+    expect(panel.locator('tr[data-gpu="1"] .accelnb-GpuPanel-memory')).to_have_text("3.0 / 80 GiB")
+    expect(panel.locator('tr[data-gpu="1"] .accelnb-GpuPanel-util')).to_have_text("13%")
 
     gpu_checkbox(panel, 1).check()
     gpu_checkbox(panel, 3).check()
@@ -146,6 +147,7 @@ def test_a_training_cell_shows_every_ranks_progress_in_the_cell_and_the_panel(
     page: Page, lab_server: LabServer
 ) -> None:
     path = lab_server.create_notebook("progress.ipynb", [LOAD_ACCELNB, TRAINING_CELL])
+    page.set_viewport_size({"width": 1200, "height": 800})  # the README's picture: panel and cell
     lab = LabPage(page)
     lab.open_notebook(lab_server.notebook_url(path, "progress"))
     panel = lab.open_gpu_panel()
@@ -153,17 +155,54 @@ def test_a_training_cell_shows_every_ranks_progress_in_the_cell_and_the_panel(
     # The panel connects once the kernel has loaded accelnb and is free (a queued cell comes first).
     expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_have_text("No run yet.", timeout=60_000)
     lab.run_cell(1)
-    # While it runs: the cell's per-rank table, and each rank's progress line in the side panel.
+    # The start table: one line per rank, the UUIDs and bus ids in a detail that starts closed.
+    start = lab.output(1).locator("pre.accelnb-start")
+    expect(start).to_have_text(re.compile(
+        r"^accelnb: 2 rank\(s\), backend gloo \(synthetic.*\)\n"
+        r"  rank 0 → cpu, simulating GPU 0 \(Synthetic GPU \(no hardware\)\)  \(pid \d+\)\n"
+        r"  rank 1 → cpu, simulating GPU 1 \(Synthetic GPU \(no hardware\)\)  \(pid \d+\)$"), timeout=90_000)
+    detail = lab.output(1).locator("details.accelnb-start-detail")
+    uuid = detail.get_by_text("GPU-00000000-0000-4000-8000-000000000001, bus 00000000:19:00.0", exact=False)
+    expect(uuid).to_be_hidden()
+    # While it runs: the cell's per-rank table, and each rank's line in the side panel.
     expect(lab.output(1).locator("table.accelnb-ranks tr")).to_have_count(3, timeout=90_000)  # a head, 2 ranks
-    expect(panel.locator(".accelnb-GpuPanel-progress").first).to_contain_text("steps/s", timeout=30_000)
+    lines = panel.locator("tr.accelnb-GpuPanel-rankLine")
+    expect(lines).to_have_count(2)
+    expect(lines.first.locator("td").nth(2)).to_have_text(re.compile(r"^\d+\.\d+$"), timeout=30_000)  # steps/s
+    expect(lines.first.locator(".accelnb-Bar-util")).to_have_attribute("aria-valuenow", "0")  # synthetic GPU 0
     expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_have_text("Run in progress", timeout=1)  # still live
-    page.screenshot(path=str(ARTIFACTS / "rank-view-live.png"))
+    _rank_lines_fit(page)
+    save_picture(page, PICTURES / "rank-view-live.png", panel, lab.cell(1))
+    # The detail is one click away, and one more click closes it.
+    lines.first.click()
+    expect(panel.locator('tr[data-detail-of="0"]')).to_contain_text(re.compile(r"cpu · pid \d+ · running"))
+    expect(panel.locator('tr[data-detail-of="0"] .accelnb-GpuPanel-progress')).to_contain_text("steps/s")
+    page.screenshot(path=str(ARTIFACTS / "rank-view-detail.png"))
+    lines.first.click()
+    expect(panel.locator("tr.accelnb-GpuPanel-rankDetail")).to_have_count(0)
+
     expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_have_text("Last run: finished", timeout=90_000)
     final = lab.output(1).locator("table.accelnb-ranks")
     expect(final.locator("tr").nth(1).locator("td").nth(1)).to_have_text("200")  # rank 0's steps, all of them
-    expect(panel.locator(".accelnb-GpuPanel-progress").first).to_contain_text("step 200 ·")  # the last figures
+    expect(lines.first.locator("td").nth(1)).to_have_text("200")  # the panel keeps the last figures
     expect(final).to_contain_text("(synthetic)")  # the GPU columns, from the synthetic inventory
+    detail.locator("summary").click()
+    expect(uuid).to_be_visible()
     page.screenshot(path=str(ARTIFACTS / "rank-view-final.png"))
+
+
+def _rank_lines_fit(page: Page) -> None:
+    """The run table fits the side panel at its default width, one line per rank."""
+    sizes = page.evaluate("""() => {
+        const panel = document.getElementById('accelnb-gpu-panel');
+        const table = panel.querySelector('.accelnb-GpuPanel-ranks');
+        const head = table.querySelector('thead tr').getBoundingClientRect().height;
+        const lines = [...table.querySelectorAll('tr.accelnb-GpuPanel-rankLine')]
+            .map(row => row.getBoundingClientRect().height);
+        return {panel: panel.clientWidth, table: table.scrollWidth, head, lines};
+    }""")
+    assert sizes["table"] <= sizes["panel"], sizes
+    assert all(height <= sizes["head"] + 2 for height in sizes["lines"]), sizes  # as tall as the header's one line
 
 
 SAVING_CELL = """%%distributed --gpus 0,1
@@ -198,7 +237,8 @@ def test_the_panels_stop_lets_code_that_checks_save_and_offers_stop_now(page: Pa
     panel.locator(".accelnb-GpuPanel-stop").click()
     expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_contain_text("stop requested", timeout=10_000)
     expect(panel.locator(".accelnb-GpuPanel-stop")).to_have_text("Stop now")
-    page.screenshot(path=str(ARTIFACTS / "gpu-panel-saving.png"))
+    expect(lab.output(1)).to_contain_text("stop requested")  # the cell says so too
+    save_picture(page, PICTURES / "stop-saving.png", panel, lab.cell(1))
     expect(lab.output(1)).to_contain_text("stopped as asked", timeout=30_000)
     expect(lab.output(1)).to_contain_text(re.compile(r"rank 0 saved step \d+"))
     expect(lab.output(1)).not_to_contain_text("KeyboardInterrupt")

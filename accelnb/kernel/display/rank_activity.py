@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from accelnb.kernel.planning.inventory import GpuInfo, Inventory, read_inventory
 from accelnb.kernel.run.group.straggler_watch import MIN_LEAD_S, MIN_SHARE
+from accelnb.kernel.run.run_state import RankFigures
 from accelnb.wire.events import MetricBatch, StepWindow
 
 RATE_WINDOW_S = 10.0  # steps per second over this much recent time
@@ -101,6 +102,14 @@ class RankRow:
         if self.slowest:
             parts.append("slowest")
         return " · ".join(parts)
+
+    def figures(self) -> RankFigures:
+        """What :meth:`describe` says, as numbers (the side panel draws them as bars)."""
+        gpu = self.gpu
+        return RankFigures(steps=self.steps, steps_per_s=self.steps_per_s,
+                           gpu_utilization=gpu.utilization if gpu else None,
+                           gpu_memory_used=gpu.memory_used if gpu else None,
+                           gpu_memory_total=gpu.memory_total if gpu else None)
 
 
 @dataclass

@@ -94,6 +94,21 @@ class RankSpec:
         return "\n".join([first] + [f"    cuda:{n} → GPU {_gpu_line(g)}" for n, g in enumerate(self.gpus)])
 
 
+    def summary(self, simulated: bool = False) -> str:
+        """One line, whatever it owns: rank → cuda:N → GPU index and name (no UUID, no bus id)."""
+        if self.gpu is None:
+            return f"rank {self.rank} → cpu"
+        gpus = self.gpus or (self.gpu,)
+        names = ", ".join(dict.fromkeys(g.name for g in gpus))
+        if len(gpus) == 1:
+            where = "cpu, simulating" if simulated else f"{self.device} →"
+            return f"rank {self.rank} → {where} GPU {self.gpu.index} ({names})"
+        indices = ",".join(str(g.index) for g in gpus)
+        if simulated:
+            return f"rank {self.rank} → cpu, simulating GPUs {indices} ({names})"
+        return f"rank {self.rank} → cuda:0-{len(gpus) - 1} → GPUs {indices} ({names}), its device {self.device}"
+
+
 def _gpu_line(gpu: GpuInfo) -> str:
     return f"{gpu.index} ({gpu.name}, {gpu.uuid}, bus {gpu.pci_bus_id})"
 
@@ -137,16 +152,32 @@ class LaunchPlan:
                          threads=threads)
 
     def table(self, pids: Sequence[int] | None = None) -> str:
-        """The rank → device mapping as shown at the start of a run (with each rank's pid)."""
-        header = f"accelnb: {len(self.ranks)} rank(s), backend {self.backend}"
-        if self.simulated_gpus:
-            header += " (synthetic GPU inventory: ranks run on the CPU)"
-        lines = [header] + ["  " + note for note in self.notes]
+        """The rank → device mapping in full (with each rank's pid): every GPU's UUID and PCI bus
+        id, which tell GPUs apart where indices do not (another machine, a container)."""
+        lines = self._header()
         for n, rank in enumerate(self.ranks):
             first, *more = rank.describe(self.simulated_gpus).split("\n")
             lines.append(f"  {first}" + (f"  (pid {pids[n]})" if pids is not None else ""))
             lines.extend("  " + line for line in more)
         return "\n".join(lines)
+
+    def summary(self, pids: Sequence[int] | None = None) -> str:
+        """What the cell shows as the run starts: one line per rank (rank → cuda:N → GPU index and
+        name, its pid); :meth:`table` has the UUIDs and bus ids."""
+        return "\n".join(self._header() + [
+            f"  {rank.summary(self.simulated_gpus)}" + (f"  (pid {pids[n]})" if pids is not None else "")
+            for n, rank in enumerate(self.ranks)])
+
+    @property
+    def on_gpus(self) -> bool:
+        """Whether any rank owns a GPU (a simulated one included)."""
+        return any(rank.gpu is not None for rank in self.ranks)
+
+    def _header(self) -> list[str]:
+        header = f"accelnb: {len(self.ranks)} rank(s), backend {self.backend}"
+        if self.simulated_gpus:
+            header += " (synthetic GPU inventory: ranks run on the CPU)"
+        return [header] + ["  " + note for note in self.notes]
 
 
 def plan(

@@ -36,6 +36,17 @@ RankPhase = Literal["starting", "running", "done", "failed", "stopped"]
 WAIT_HOOK_RATE_HZ = 20.0
 
 
+@dataclass(frozen=True)
+class RankFigures:
+    """A rank's progress as numbers, for displays that draw it (the side panel's bars)."""
+
+    steps: int
+    steps_per_s: float | None = None
+    gpu_utilization: int | None = None  # percent, of the GPU the rank runs on
+    gpu_memory_used: int | None = None  # bytes
+    gpu_memory_total: int | None = None  # bytes
+
+
 @dataclass
 class RankState:
     rank: int
@@ -44,6 +55,7 @@ class RankState:
     pid: int | None = None
     detail: str = ""  # failure summary, exit signal…
     progress: str = ""  # its step, speed, waits, GPU (RankRow.describe), at most once a second
+    figures: RankFigures | None = None  # the same as numbers; None until its first step
 
 
 # Run ids only grow, so a display can tell a new run from the one it shows even when the
