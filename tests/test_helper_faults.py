@@ -24,7 +24,7 @@ import pytest
 
 import accelnb
 from accelnb.errors import HelperDied, RankFailed, RunInterrupted
-from accelnb.kernel.helper.client import running_helper_pid, shared_helper, shutdown_helper
+from accelnb.kernel.helper.template import running_helper_pid, shared_helper, shutdown_helper
 from accelnb.kernel.helper.payload import pack_call
 from accelnb.kernel.planning import rank_plan
 from accelnb.kernel.planning.inventory import Inventory
@@ -57,6 +57,13 @@ def ok_with_payload(data: bytes) -> int:
 
 def sleep_long() -> None:
     time.sleep(600)
+
+
+def wait_for_the_end(data: bytes) -> int:
+    """Never answers: the rank ends with its helper (PDEATHSIG), however long the helper takes to die
+    (a template that imported much takes longer to tear down than a rank takes to answer)."""
+    signal.pause()
+    return len(data)
 
 
 # ── what the kernel process holds ───────────────────────────────────────────────────────────
@@ -182,7 +189,7 @@ def test_the_helper_killed_at_a_step_of_the_launch(step: str, orphans: Orphans) 
     kill = KillHelperAt(step)
 
     with pytest.raises(HelperDied) as raised:
-        run_like_launch(pack_call(ok_with_payload, (BIG_ARGUMENT,), {}), on_step=kill)
+        run_like_launch(pack_call(wait_for_the_end, (BIG_ARGUMENT,), {}), on_step=kill)
     seconds = time.monotonic() - kill.killed_at
 
     assert kill.killed_pid is not None
@@ -200,7 +207,7 @@ def test_the_helper_killed_at_a_step_of_the_launch(step: str, orphans: Orphans) 
 
 
 def test_the_helper_killed_mid_run_raises_within_2_seconds(orphans: Orphans) -> None:
-    accelnb.launch(ok, num_processes=2, quiet=True)
+    accelnb.launch(ok, num_processes=2, cpu=True, quiet=True)
     helper_pid = running_helper_pid()
     assert helper_pid is not None
     orphans.helpers.add(helper_pid)
@@ -217,7 +224,7 @@ def test_the_helper_killed_mid_run_raises_within_2_seconds(orphans: Orphans) -> 
     remove_hook = run_state.add_wait_hook(kill_once_every_rank_runs)
     try:
         with pytest.raises(HelperDied) as raised:
-            accelnb.launch(sleep_long, num_processes=2, quiet=True)
+            accelnb.launch(sleep_long, num_processes=2, cpu=True, quiet=True)
     finally:
         remove_hook()
     seconds = time.monotonic() - killed_at[0]
@@ -227,7 +234,7 @@ def test_the_helper_killed_mid_run_raises_within_2_seconds(orphans: Orphans) -> 
     assert len(worker_pids) == 2 and not any(_runs(pid) for pid in worker_pids)  # gone when it raised
     assert orphans.running() == []
     assert [state.phase for state in run_state.current_run().ranks] == ["failed", "failed"]  # type: ignore[union-attr]
-    assert accelnb.launch(ok, num_processes=2, quiet=True).values == {0: 2.0, 1: 2.0}
+    assert accelnb.launch(ok, num_processes=2, cpu=True, quiet=True).values == {0: 2.0, 1: 2.0}
 
 
 def _runs(pid: int) -> bool:
@@ -369,7 +376,7 @@ def test_a_remote_exception_class_is_made_once_per_type_and_pickles() -> None:
     errors = []
     for _ in range(2):
         with pytest.raises(ValueError) as raised:
-            accelnb.launch(fail, num_processes=2, quiet=True)
+            accelnb.launch(fail, num_processes=2, cpu=True, quiet=True)
         errors.append(raised.value)
     first, second = errors
     assert type(first) is type(second) and isinstance(first, RankFailed)
@@ -382,7 +389,7 @@ def test_a_remote_exception_class_is_made_once_per_type_and_pickles() -> None:
 # ── a start that fails ──────────────────────────────────────────────────────────────────────
 def test_a_set_up_failure_says_it_happened_before_the_function_ran() -> None:
     with pytest.raises(RankFailed) as raised:  # this torch has no MPI: init_process_group raises
-        accelnb.launch(ok, num_processes=2, quiet=True, backend="mpi")
+        accelnb.launch(ok, num_processes=2, cpu=True, quiet=True, backend="mpi")
     first, second = str(raised.value).splitlines()[:2]
     assert first.startswith("Rank ") and "RuntimeError: Distributed package doesn't have MPI" in first
     assert second == ("This happened while accelnb set the worker up (its environment, the process group), "

@@ -1,17 +1,15 @@
-"""Big arguments of a one-shot launch handed to the ranks by fork, not copied (issue 12).
+"""Big arguments of a launch reach every rank through shared memory, from the template (issue 33).
 
-Where forking the kernel is safe (torch imported, CUDA not initialised) and the arguments are
-big, a launch forks a helper of its own from the kernel after packing them, and its ranks see
-the kernel's pages copy-on-write (``kernel/helper/payload_delivery.py``). Each test asks the ranks where
-their argument's bytes live, from their own ``/proc/self/maps``: anonymous memory they inherited,
-or accelnb's memfd. Leftovers are checked by pid (the launch's helper and everything below it)
-and by this process's open fds.
+No launch forks the kernel any more, so a big argument is never inherited: the kernel copies its
+tensors and arrays once into a memfd that every rank maps (``wire/shared_memory.py``), and what
+must be pickled is pickled, said in the cell when it is over 100 MiB. Each test asks the ranks
+where their argument's bytes live, from their own ``/proc/self/maps``. Leftovers are checked by
+pid and by this process's open fds.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import re
 import signal
 import time
@@ -23,15 +21,13 @@ import torch
 
 import accelnb
 from accelnb.errors import RankFailed
-from accelnb.kernel.helper import payload_delivery
-from accelnb.kernel.helper.client import running_helper_pid
-from accelnb.kernel.helper.payload_delivery import inherit_worth_it
-from accelnb.wire.buffers import dump
-from accelnb.wire.inherited_payload import inherited
+from accelnb.kernel.helper.payload import BIG_PICKLE_BYTES, pack_call
+from accelnb.kernel.helper.template import running_helper_pid
 from tests.conftest import InterruptWhenRunning, live_descendants, result_of, run_notebook, start_repo_kernel
 
 BIG = 256 << 20  # bytes
 MIB = 1 << 20
+MEMFD = "/memfd:accelnb (deleted)"
 
 
 # ── functions that run on the ranks ─────────────────────────────────────────────────────────
@@ -54,13 +50,6 @@ def write_on_rank_0_then_look(x: torch.Tensor) -> tuple[float, float]:
         x.fill_(7)
     dist.barrier()  # rank 1 looks only once rank 0 has written
     return float(x[0]), float(x[-1])
-
-
-def kill_the_helper_on_attempt_0(x: torch.Tensor) -> tuple[str, float, int]:
-    if accelnb.restart_count() == 0:
-        os.kill(os.getppid(), signal.SIGKILL)  # the launch's helper; this worker dies with it
-        signal.pause()
-    return where_it_lives(x)
 
 
 def fail_on_rank_1(x: torch.Tensor) -> None:
@@ -124,144 +113,77 @@ def nothing_left() -> object:
     assert [fd for fd in open_fds() - fds if re.search(r"-> (socket|pipe|anon_inode|/memfd):", fd)] == []
 
 
-@pytest.fixture
-def small_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The cost model sees this test process as a 300 MiB kernel, so a 256 MiB argument is handed
-    down by fork however much memory earlier tests left here (the rule has tests of its own; the
-    real-kernel tests below use the real size)."""
-    monkeypatch.setattr(payload_delivery, "kernel_resident_bytes", lambda: 300 * MIB)
-
-
 # ── tests ───────────────────────────────────────────────────────────────────────────────────
-def test_the_rule_forks_for_payloads_big_in_themselves_and_against_the_kernel() -> None:
-    kernel = 300 * MIB  # torch imported, little else
-    assert not inherit_worth_it(16 * MIB, kernel, ranks=2)
-    assert inherit_worth_it(64 * MIB, kernel, ranks=2)
-    # (measured: 64 MiB into a 2-rank launch from a kernel of 2.3 GiB, fork 193 ms, memfd 54 ms)
-    assert not inherit_worth_it(64 * MIB, 2300 * MIB, ranks=2)
-    assert inherit_worth_it(1 << 30, 4 << 30, ranks=2)
-    assert not inherit_worth_it(1 << 30, 4 << 30, ranks=8)  # eight more copies of the page tables
-
-
-def test_a_stand_in_resolves_only_while_its_launch_holds_the_payload() -> None:
-    packed = dump(torch.arange(4.0))
-    with inherited(packed) as stand_in:
-        message = pickle.dumps(stand_in, protocol=5)
-        assert len(message) < 100 and pickle.loads(message) is packed  # a token, not the bytes
-    with pytest.raises(RuntimeError, match="was not forked from the kernel while the launch ran"):
-        pickle.loads(message)
-
-
-@pytest.mark.usefixtures("nothing_left", "small_kernel")
-def test_a_big_argument_is_inherited_by_every_rank_and_the_launch_helper_ends_with_the_launch() -> None:
-    x = torch.arange(BIG // 4, dtype=torch.float32)
-    values = accelnb.launch(where_it_lives, (x,), num_processes=2, quiet=True).values
-
-    assert [v[:2] for v in values.values()] == [("anonymous", float(x[-1]))] * 2  # not a memfd: inherited
-    helper = values[0][2]
-    assert values[1][2] == helper and helper != running_helper_pid()  # a helper of the launch's own
-    assert not psutil.pid_exists(helper)  # ended and reaped with the launch
-
-
 @pytest.mark.usefixtures("nothing_left")
-@pytest.mark.parametrize("why", ["small", "spawn asked for", "CUDA initialised"])
-def test_shared_memory_where_a_fork_does_not_pay_or_is_not_safe(why: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    size = 16 * MIB if why == "small" else BIG
-    if why == "spawn asked for":
-        monkeypatch.setenv("ACCELNB_HELPER_START", "spawn")
-    if why == "CUDA initialised":
-        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
-    x = torch.ones(size // 4)
-    values = accelnb.launch(where_it_lives, (x,), num_processes=2, quiet=True).values
+def test_a_big_argument_is_mapped_by_every_rank_forked_from_the_template() -> None:
+    x = torch.arange(BIG // 4, dtype=torch.float32)
+    values = accelnb.launch(where_it_lives, (x,), num_processes=2, cpu=True, quiet=True).values
 
-    assert [v[:2] for v in values.values()] == [("/memfd:accelnb (deleted)", 1.0)] * 2
+    assert [v[:2] for v in values.values()] == [(MEMFD, float(x[-1]))] * 2
     assert {v[2] for v in values.values()} == {running_helper_pid()}
 
 
-def matmul_with_two_threads(x: torch.Tensor) -> tuple[float, int]:
-    torch.set_num_threads(2)
-    b = torch.ones(1000, 1000)
-    return (b @ b)[0, 0].item() + float(x[0]), torch.get_num_threads()
-
-
-@pytest.mark.usefixtures("nothing_left", "small_kernel")
-def test_ranks_forked_after_the_kernel_ran_a_parallel_op_can_use_threads() -> None:
-    """The kernel's OpenMP pool is ended before the fork (``kernel/helper/openmp_pool.py``); without that
-    this rank's matmul waited forever for threads its fork did not copy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        a = torch.randn(1000, 1000)
-        assert (a @ a).abs().sum().item() > 0  # this thread now has a pool of OpenMP threads
-        values = accelnb.launch(matmul_with_two_threads, (torch.zeros(BIG // 4),), num_processes=1,
-                                quiet=True, timeout=60).values
-        assert values == {0: (1000.0, 2)}
-        assert (a @ a).abs().sum().item() > 0  # and the kernel starts a new pool for its next op
-    finally:
-        torch.set_num_threads(threads)
-
-
-@pytest.mark.usefixtures("nothing_left", "small_kernel")
-def test_a_rank_writing_into_an_inherited_argument_changes_nothing_for_the_others() -> None:
+@pytest.mark.usefixtures("nothing_left")
+def test_a_rank_writing_into_its_argument_changes_nothing_for_the_others() -> None:
     x = torch.zeros(BIG // 4)
-    values = accelnb.launch(write_on_rank_0_then_look, (x,), num_processes=2, quiet=True).values
+    values = accelnb.launch(write_on_rank_0_then_look, (x,), num_processes=2, cpu=True, quiet=True).values
 
     assert values == {0: (7.0, 7.0), 1: (0.0, 0.0)}
     assert float(x.abs().sum()) == 0.0  # nor for the kernel
 
 
-@pytest.mark.usefixtures("nothing_left", "small_kernel")
-def test_a_launch_helper_killed_mid_run_is_forked_again_for_the_next_attempt() -> None:
-    x = torch.full((BIG // 4,), 3.0)
-    result = accelnb.launch(kill_the_helper_on_attempt_0, (x,), num_processes=2, quiet=True, max_restarts=1)
-
-    assert [a.ending for a in result.attempts] == ["failed", "succeeded"]  # the helper died: no rank failed
-    assert [v[:2] for v in result.values.values()] == [("anonymous", 3.0)] * 2  # still inherited
-
-
-@pytest.mark.usefixtures("nothing_left", "small_kernel")
-def test_nothing_is_left_after_a_failure_with_an_inherited_argument() -> None:
+@pytest.mark.usefixtures("nothing_left")
+def test_nothing_is_left_after_a_failure_with_a_big_argument() -> None:
     with pytest.raises(RankFailed, match="boom with"):
-        accelnb.launch(fail_on_rank_1, (torch.ones(BIG // 4),), num_processes=2, quiet=True)
+        accelnb.launch(fail_on_rank_1, (torch.ones(BIG // 4),), num_processes=2, cpu=True, quiet=True)
 
 
-@pytest.mark.usefixtures("nothing_left", "small_kernel")
-def test_nothing_is_left_after_an_interrupt_with_an_inherited_argument() -> None:
+@pytest.mark.usefixtures("nothing_left")
+def test_nothing_is_left_after_an_interrupt_with_a_big_argument() -> None:
     remove_hook = accelnb.kernel.run.run_state.add_wait_hook(InterruptWhenRunning())
     try:
         with pytest.raises(KeyboardInterrupt):
-            accelnb.launch(block_forever, (torch.ones(BIG // 4),), num_processes=2, quiet=True)
+            accelnb.launch(block_forever, (torch.ones(BIG // 4),), num_processes=2, cpu=True, quiet=True)
     finally:
         remove_hook()
 
 
-def test_in_a_kernel_the_notebook_tensor_is_inherited_and_no_process_stays() -> None:
+def test_a_pickle_over_100_mib_is_said_with_its_size_and_the_way_around_it(capsys: pytest.CaptureFixture[str]) -> None:
+    pack_call(len, (b"x" * (BIG_PICKLE_BYTES + MIB),), {})
+    said = capsys.readouterr().err
+    assert "pickle to 101 MiB" in said and "load it inside the function" in said and "Session" in said, said
+    pack_call(len, (torch.ones(BIG // 4),), {})  # a tensor is not pickled: nothing to say
+    assert capsys.readouterr().err == ""
+
+
+def test_in_a_kernel_the_notebook_tensor_is_mapped_and_no_process_stays() -> None:
     cells = ["import os, psutil, torch, accelnb\n"
              f"from tests.test_payload_delivery import where_it_lives\nX = torch.arange({BIG // 4}, dtype=torch.int32)",
-             "values = accelnb.launch(where_it_lives, (X,), num_processes=2, quiet=True).values\n"
-             "[v[:2] for v in values.values()], psutil.pid_exists(values[0][2])",
+             "from accelnb.kernel.helper.template import running_helper_pid\n"
+             "values = accelnb.launch(where_it_lives, (X,), num_processes=2, cpu=True, quiet=True).values\n"
+             f"[v[:2] == ({MEMFD!r}, float(X[-1])) for v in values.values()], "
+             "{v[2] for v in values.values()} == {running_helper_pid()}",
              "%load_ext accelnb",
-             "%%distributed --procs 2\nfrom tests.test_payload_delivery import where_it_lives\n"
+             "%%distributed --procs 2 --cpu\nfrom tests.test_payload_delivery import where_it_lives\n"
              "where_it_lives(X)[:2]",
-             "from accelnb.kernel.helper.client import running_helper_pid\n"
              "[c.cmdline() for c in psutil.Process().children() if c.pid != running_helper_pid()]"]
     outputs = run_notebook(cells, timeout=300)
 
     last = float(BIG // 4 - 1)
-    assert result_of(outputs[1]) == f"([('anonymous', {last}), ('anonymous', {last})], False)", outputs[1]
-    assert result_of(outputs[3]) == f"('anonymous', {last})", outputs[3]
-    # No launch's helper is left: the kernel's only child is its shared helper (%load_ext starts it).
+    assert result_of(outputs[1]) == "([True, True], True)", outputs[1]
+    assert result_of(outputs[3]) == f"({MEMFD!r}, {last})", outputs[3]
+    # The kernel's only child is its template.
     assert result_of(outputs[4]) == "[]", outputs[4]
 
 
-def test_the_kernel_killed_mid_launch_takes_the_launch_helper_and_its_ranks_with_it(tmp_path: Path) -> None:
+def test_the_kernel_killed_mid_launch_takes_the_template_and_its_ranks_with_it(tmp_path: Path) -> None:
     manager, client = start_repo_kernel(ACCELNB_SYNTHETIC_GPUS=None)
     try:
         client.execute("import torch, accelnb\nfrom tests.test_payload_delivery import say_where_then_block\n"
                        f"accelnb.launch(say_where_then_block, (torch.ones({BIG // 4}), {str(tmp_path)!r}), "
-                       "num_processes=2, quiet=True)")
+                       "num_processes=2, cpu=True, quiet=True)")
         deadline = time.monotonic() + 120
-        while len(list(tmp_path.glob("[0-9]*"))) < 2:  # both ranks hold the inherited tensor
+        while len(list(tmp_path.glob("[0-9]*"))) < 2:  # both ranks hold the tensor
             assert time.monotonic() < deadline, "the ranks did not start"
             time.sleep(0.05)
         pids = {int(n) for path in tmp_path.glob("[0-9]*") for n in path.read_text().split()}

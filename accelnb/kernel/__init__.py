@@ -6,7 +6,7 @@
   pieces, one job each, in ``run/group/``: the processes and the stop ladder, the channel pump,
   the call protocol the Ray group shares, prompts, live stacks), restarts, the run's state,
   failures and the result;
-- :mod:`accelnb.kernel.helper`: accelnb's helper process (forked or spawned) and the payload it
+- :mod:`accelnb.kernel.helper`: the template process the ranks fork from, and the payload it
   delivers to the ranks;
 - :mod:`accelnb.kernel.doctor`: ``accelnb.doctor()``'s checks, and the ones before every launch;
 - :mod:`accelnb.kernel.stacks`: the ranks' Python stacks, live and in faulthandler's dumps;

@@ -12,7 +12,7 @@ instead of cloudpickle's reducer, whatever cloudpickle's version.
 the file name, line table and the code of nested functions, lambdas and comprehensions in
 ``co_consts`` included, and it is written in C (faster than cloudpickle's reducer, which
 rebuilds each code object field by field). Its one condition is that both ends run the same
-Python version, which holds for ranks (forks of the kernel, or of a helper started from the
+Python version, which holds for ranks (forks of the template, started from the
 kernel's interpreter) and which cloudpickle's own code pickling already requires of a Ray cluster.
 
     >>> import pickle

@@ -24,6 +24,8 @@ class FollowImports:
 
     ``urgent``: a launch waits for the answer, so the template imports even while ranks it forked
     run (otherwise it imports only while it has none: an import delays reporting their exits).
+    ``optional``: only while nothing else waits; a launch forks without waiting for these
+    (``TRAINING_PREIMPORTS``: a rank that needs one before the template has it imports it itself).
     """
 
     request_id: int
@@ -32,3 +34,4 @@ class FollowImports:
     cwd: str
     env: dict[str, str]
     urgent: bool = False
+    optional: bool = False

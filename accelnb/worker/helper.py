@@ -113,6 +113,7 @@ class Following:
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
         self._queue: deque[tuple[FollowImports, list[str]]] = deque()  # (request, its modules left)
+        self._optional: deque[tuple[FollowImports, list[str]]] = deque()  # only while nothing else waits
         self._failed: dict[int, list[str]] = {}  # request id -> modules that failed to import
         self._state_of: int | None = None  # the request whose sys.path, cwd and env are in force
         self.unsafe: tuple[str, str] | None = None  # (module, reason) once an import made it unfit
@@ -121,19 +122,20 @@ class Following:
         if self.unsafe is not None:
             send(self._sock, ("unsafe", request.request_id, *self.unsafe))
             return
-        self._queue.append((request, list(request.modules)))
+        (self._optional if request.optional else self._queue).append((request, list(request.modules)))
         self._answer_finished()
 
     def has_work(self, ranks_running: bool) -> bool:
         """Something to import now: anything while no rank runs, else only for a waiting launch."""
-        if not self._queue:
-            return False
-        return not ranks_running or any(request.urgent for request, _ in self._queue)
+        if not ranks_running:
+            return bool(self._queue or self._optional)
+        return any(request.urgent for request, _ in self._queue)
 
     def step(self) -> None:
         """Import the oldest request's next module not loaded yet (a second or more for a big
         library; most submodules came with their package and cost nothing)."""
-        request, left = self._queue[0]
+        queue = self._queue or self._optional
+        request, left = queue[0]
         if self._state_of != request.request_id:
             template_imports.take_kernel_state(request)
             self._state_of = request.request_id
@@ -146,21 +148,23 @@ class Following:
             reason = template_imports.unfit_to_fork()
             if reason is not None:
                 self.unsafe = (name, reason)
-                for waiting, _ in self._queue:
+                for waiting, _ in (*self._queue, *self._optional):
                     send(self._sock, ("unsafe", waiting.request_id, name, reason))
                 self._queue.clear()
+                self._optional.clear()
                 return
         self._answer_finished()
 
     def finish_all(self) -> None:
-        """Import everything asked for (a launch is about to fork)."""
+        """Import everything asked for but the optional (a launch is about to fork)."""
         while self._queue and self.unsafe is None:
             self.step()
 
     def _answer_finished(self) -> None:
-        while self._queue and not self._queue[0][1]:
-            request, _ = self._queue.popleft()
-            send(self._sock, ("followed", request.request_id, self._failed.pop(request.request_id, [])))
+        for queue in (self._queue, self._optional):
+            while queue and not queue[0][1]:
+                request, _ = queue.popleft()
+                send(self._sock, ("followed", request.request_id, self._failed.pop(request.request_id, [])))
 
 
 def serve(sock: socket.socket) -> None:

@@ -103,6 +103,7 @@ class WorkerHelper:
         self.workers_started = 0  # how many it forked, ever
         self.considered: set[str] = set()  # modules of the kernel's it was asked for, or need not be
         self.unsafe: TemplateUnsafe | None = None  # set once an import made it unfit to fork
+        self.unanswered: set[int] = set()  # follow requests it has not finished
         self._live_pids: set[int] = set()  # forked and not reported exited
         self._sock = ours
         self._ready = False
@@ -174,25 +175,28 @@ class WorkerHelper:
             self._process.wait()
 
     # ── following the kernel's imports ──────────────────────────────────────────────────────
-    def follow(self, modules: Sequence[str], *, wait: bool) -> None:
+    def follow(self, modules: Sequence[str], *, wait: bool, optional: bool = False) -> None:
         """Ask the template to import ``modules`` in this process's ``sys.path``, working directory
         and environment as they are now (see ``wire/template.py``).
 
         ``wait``: a launch is about to fork; block until they are imported (raises
         :class:`TemplateUnsafe` when one made the template unfit, ``HelperDied`` when it died).
-        Otherwise the template imports them while it has no ranks, and this returns at once.
+        Otherwise the template imports them while it has no ranks, and this returns at once;
+        ``optional`` ones, only while nothing else waits, and no launch waits for them.
         """
         with self._lock:
             self._raise_if_unsafe()
             self._next_request += 1
             request = FollowImports(self._next_request, tuple(modules), tuple(sys.path), os.getcwd(),
-                                    dict(os.environ), urgent=wait)
+                                    dict(os.environ), urgent=wait, optional=optional)
             try:
                 self._sock.send(pickle.dumps(request))
             except OSError:
                 if self._peer_closed():
                     raise helper_died(self.death(), "while importing what the notebook imported") from None
                 raise
+            if not optional:
+                self.unanswered.add(request.request_id)
             if not wait:
                 return
             reply = self._await_reply(request.request_id, time.monotonic() + FOLLOW_TIMEOUT_S, ("followed", "unsafe"))
@@ -337,8 +341,12 @@ class WorkerHelper:
             self.forget(message[2])
         elif message[0] == "spawn_failed":
             self._abandoned_requests.discard(message[1])
-        elif message[0] == "unsafe" and self.unsafe is None:
-            self.unsafe = TemplateUnsafe(message[2], message[3])
+        elif message[0] == "followed":
+            self.unanswered.discard(message[1])
+        elif message[0] == "unsafe":
+            self.unanswered.discard(message[1])
+            if self.unsafe is None:
+                self.unsafe = TemplateUnsafe(message[2], message[3])
 
     def _peer_closed(self) -> bool:
         self.collect()

@@ -28,8 +28,6 @@ import sys
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from accelnb.wire.template import TRAINING_PREIMPORTS
-
 # Top-level packages of the kernel's machinery and of test runners, never imported by a template.
 KERNEL_MACHINERY = frozenset({
     "IPython", "ipykernel", "ipywidgets", "widgetsnbextension", "jupyterlab_widgets", "comm", "zmq",
@@ -46,8 +44,8 @@ _SITE_FOLDERS = ("site-packages", "dist-packages")
 
 
 def modules_to_follow(considered: set[str], unsafe: Collection[str] = ()) -> list[str]:
-    """The modules of this process to ask the template for, in the order they were imported here,
-    after what training touches first (``TRAINING_PREIMPORTS``); adds every name it looked at to
+    """The modules of this process to ask the template for, in the order they were imported here;
+    adds every name it looked at to
     ``considered``, so that the next call looks only at what is new (a set difference: well under
     a millisecond with thousands of modules loaded).
 
@@ -55,15 +53,11 @@ def modules_to_follow(considered: set[str], unsafe: Collection[str] = ()) -> lis
     ``trainer`` only when the code asks for ``Trainer``: two seconds a rank would pay again).
     """
     new = sys.modules.keys() - considered
-    names = [name for name in TRAINING_PREIMPORTS if name not in considered and name not in unsafe]
-    considered.update(TRAINING_PREIMPORTS)
     if not new:
-        return names
+        return []
     considered.update(new)
-    for name, module in list(sys.modules.items()):
-        if name in new and name not in unsafe and _followable(name, module):
-            names.append(name)
-    return names
+    return [name for name, module in list(sys.modules.items())
+            if name in new and name not in unsafe and _followable(name, module)]
 
 
 def _followable(name: str, module: object) -> bool:

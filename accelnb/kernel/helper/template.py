@@ -31,9 +31,10 @@ import atexit
 import os
 import threading
 
-from accelnb.errors import WorkerStartError
+from accelnb.errors import HelperDied, WorkerStartError
 from accelnb.kernel.helper.client import StepHook, TemplateUnsafe, WorkerHelper
 from accelnb.kernel.helper.kernel_imports import Freshness, modules_to_follow
+from accelnb.wire.template import TRAINING_PREIMPORTS
 
 # "off" (or "0", "no"): no template is started nor fed in the background; a launch still starts
 # one and has it import what the kernel has, then waits for it.
@@ -60,10 +61,20 @@ def shared_helper(wait: bool = True, on_step: StepHook | None = None) -> WorkerH
             return helper
         try:
             helper.wait_ready(on_step)
+        except WorkerStartError:
+            helper.close()  # dead or hopeless: the next launch starts afresh
+            raise
+        try:
             _follow(helper, wait=True)
         except TemplateUnsafe as unsafe:  # the next template leaves that module out
             with _lock:
                 _unsafe_modules.add(unsafe.module)
+                _replace(helper)
+            continue
+        except HelperDied:
+            if helper.has_workers:
+                raise
+            with _lock:  # it died idle, between launches (a user's kill): nothing was lost, start another
                 _replace(helper)
             continue
         except WorkerStartError:
@@ -127,16 +138,23 @@ def shutdown_helper() -> None:
 
 def _follow(helper: WorkerHelper, *, wait: bool) -> None:
     with _lock:
+        first = not helper.considered
         names = modules_to_follow(helper.considered, _unsafe_modules)
         if helper is _current:
             _freshness.add(names)
-    if names or wait:  # a launch asks even for none: it waits for what earlier cells asked for
+    # A launch with nothing new still waits for what earlier cells asked for, if any is unanswered.
+    if names or (wait and helper.unanswered):
         helper.follow(names, wait=wait)
+    if first:  # after the kernel's own: what training touches first, which no launch waits for
+        helper.follow([name for name in TRAINING_PREIMPORTS if name not in _unsafe_modules], wait=False,
+                      optional=True)
 
 
 def _current_template() -> WorkerHelper:
     """The current template, replaced first if it died, went stale or unsafe (hold ``_lock``)."""
     global _current, _freshness, _exit_hook_registered
+    if _current is not None and _current.poll_ready():
+        _current.collect()  # notices its death (its socket closed) and an "unsafe" it sent
     if _current is not None and (not _current.alive or _current.unsafe is not None or _freshness.stale_because()):
         _replace(_current)
     _close_retired_without_ranks()

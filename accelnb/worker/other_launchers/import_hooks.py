@@ -2,7 +2,7 @@
 
 Importing torchelastic's launcher API or Accelerate costs a rank tens of milliseconds to seconds,
 and most launches never use them. :func:`when_imported` runs its function once the code imports
-the module (at once, if the rank already holds it: a fork of a kernel that imported it). It
+the module (at once, if the rank already holds it: the template imported it). It
 uses the import system's public hook, a finder at the front of ``sys.meta_path`` that steps
 aside after its one module.
 

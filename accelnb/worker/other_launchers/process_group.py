@@ -60,6 +60,7 @@ STORE_TIMEOUT_S = 300.0
 # Keys of the join barrier in the launch's TCPStore (torch's own keys carry a "default_pg/" prefix).
 _JOINED_KEY = "accelnb/joined"
 _ALL_JOINED_KEY = "accelnb/all-joined"
+_ACCELNBS = "_accelnb_routes_it"  # marks accelnb's init_process_group
 
 
 @dataclass
@@ -98,7 +99,9 @@ def join_default_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist:
         wait_for_workers=False,
         master_listen_fd=store_fd,
     )
-    original = getattr(dist.init_process_group, "__wrapped__", dist.init_process_group)  # torch's, even if installed
+    original = dist.init_process_group
+    if getattr(original, _ACCELNBS, False):  # the template routed it through accelnb: torch's is below
+        original = original.__wrapped__
     _launched = _Launched(spec, store, device_id if spec.backend == "nccl" else None, original)
     _make_accelnb_group(dist)
     route_through_accelnb(dist)  # the template did already; a no-op then
@@ -140,9 +143,10 @@ def route_through_accelnb(dist: Any) -> None:
     modules, so that a name a module binds at import is this one; idempotent."""
     import torch.distributed.distributed_c10d as c10d
 
-    if hasattr(dist.init_process_group, "__wrapped__"):
+    if getattr(dist.init_process_group, _ACCELNBS, False):  # torch's has a __wrapped__ of its own
         return
     adopting = functools.wraps(dist.init_process_group)(_init_process_group_in_a_launch)
+    setattr(adopting, _ACCELNBS, True)
     dist.init_process_group = adopting
     c10d.init_process_group = adopting  # type: ignore[assignment]
     when_imported("accelerate.state", _honour_accelerates_timeout)
