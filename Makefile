@@ -4,7 +4,7 @@ PY := .venv/bin/python
 
 DIST := dist
 
-.PHONY: setup demo test test-gpu lint typecheck soak bench dist wheel
+.PHONY: setup demo test test-gpu lint typecheck soak bench dist wheel screenshots
 
 setup:
 	@bash scripts/setup
@@ -25,6 +25,12 @@ test: setup lint typecheck
 # that needs more GPUs than there are is skipped, and -rs lists each skip with the count it needs.
 test-gpu: setup
 	$(PY) -m pytest -q -rs -m gpu tests --ignore=tests/browser
+
+# The README's pictures (docs/images/*.png), taken by the browser tests in a real JupyterLab and
+# Chromium as they check what the panel and the cells show; any other screenshot goes to
+# test-artifacts/ as always. Look at them before committing them.
+screenshots: setup accelnb/labextension/static/style.js
+	ACCELNB_PICTURES_DIR=docs/images $(PY) -m pytest -q -m browser tests/browser
 
 soak: setup
 	$(PY) -m pytest -q -m slow tests -s

@@ -55,7 +55,7 @@ function gpuAbout(gpu: IGpu, trial: ITrial | undefined): HTMLElement {
   about.appendChild(name);
   if (trial) {
     const tag = el('div', 'accelnb-GpuPanel-trial', `trial ${trial.index}: ${trial.label}`);
-    tag.title = 'The sweep trial this GPU runs';
+    tag.title = `The sweep trial this GPU runs: trial ${trial.index}, ${trial.label}`;
     about.appendChild(tag);
   }
   if (gpu.busy) {

@@ -3,8 +3,8 @@
  *
  * One per notebook, each with its own model (its own comm to that notebook's kernel), because
  * the side panel follows only the active notebook. It stays hidden until accelnb is loaded in
- * the kernel; then it reads "GPUs 1,3", "3 CPU ranks" or "all GPUs", marks a run in progress,
- * and opens the side panel when clicked.
+ * the kernel; then it reads "GPUs 1,3", "3 CPU ranks" or "all GPUs", marks a run in progress
+ * and a chosen GPU that another process holds, and opens the side panel when clicked.
  */
 
 import { ISessionContext } from '@jupyterlab/apputils';
@@ -62,9 +62,13 @@ export class GpuToolbarItem extends Widget {
       return;
     }
     const running = state.run !== null && !state.run.finished;
-    this._label.textContent = selectionLabel(state) + (running ? ' · running' : '');
+    const busy = state.inventory.gpus.filter(gpu => gpu.busy);
+    const marks = [running ? 'running' : '', busy.length ? `${busy.map(gpu => gpu.index).join(',')} busy` : ''];
+    this._label.textContent = [selectionLabel(state), ...marks.filter(Boolean)].join(' · ');
     this.node.dataset.running = String(running);
-    this.node.title = `Next launch: ${state.selection.magic_line}. Click to open the GPUs panel.`;
+    this.node.dataset.busy = String(busy.length > 0);
+    const why = busy.map(gpu => `GPU ${gpu.index}: ${gpu.busy}. `).join('');
+    this.node.title = `Next launch: ${state.selection.magic_line}. ${why}Click to open the GPUs panel.`;
   }
 
   private _model: GpuPanelModel;

@@ -162,7 +162,10 @@ export class GpuPanelView extends Widget {
       const state = row.insertCell();
       state.className = `accelnb-GpuPanel-phase accelnb-mod-${trial.state}`;
       state.textContent = trial.state;
-      row.insertCell().textContent = trial.label;
+      const config = row.insertCell();
+      config.className = 'accelnb-GpuPanel-config';
+      config.textContent = trial.label;
+      config.title = trial.label; // the column is cut to the panel's width
     }
     section.appendChild(table);
     root.appendChild(section);

@@ -69,4 +69,14 @@ def save_picture(page: Page, path: Path, *regions: Locator) -> None:
     clip = {"x": left, "y": top, "width": min(right, viewport["width"]) - left,
             "height": min(bottom, viewport["height"]) - top}
     path.parent.mkdir(parents=True, exist_ok=True)
+    page.mouse.move(0, viewport["height"] - 1)  # no row left highlighted by a hover
     page.screenshot(path=str(path), clip=clip)  # type: ignore[arg-type]
+
+
+def assert_panel_fits(page: Page) -> None:
+    """Nothing in the GPUs panel is wider than the panel (a clipped column, a table that scrolls)."""
+    overflow = page.evaluate("""() => {
+        const panel = document.getElementById('accelnb-gpu-panel');
+        return panel.scrollWidth - panel.clientWidth;
+    }""")
+    assert overflow <= 0, f"the panel's content is {overflow}px wider than the panel"

@@ -18,7 +18,7 @@ import sys
 from collections.abc import Iterator
 
 import pytest
-from lab_page import LabPage, gpu_checkbox, save_picture
+from lab_page import LabPage, assert_panel_fits, gpu_checkbox, save_picture
 from playwright.sync_api import Page, expect
 
 from tests.browser.conftest import DARK_THEME, LIGHT_THEME, PICTURES, SYNTHETIC_GPUS, LabServer
@@ -96,7 +96,8 @@ def test_gpu_rows_show_bars_history_and_who_holds_a_busy_selected_gpu(
         f"⚠ busy: held by {_python_name()} other_train.py (pid {other_training[0]})")
     expect(gpu2).to_have_class(re.compile("accelnb-mod-busy"))
     expect(panel.locator(".accelnb-GpuPanel-busy")).to_have_count(1)  # GPU 1 is chosen and free
-    _panel_fits(page)
+    expect(lab.toolbar_item()).to_have_text("GPUs 1,2 · 2 busy")  # the notebook's toolbar says so too
+    assert_panel_fits(page)
     save_picture(page, PICTURES / "panel-selection.png", panel, lab.cell(0))
 
     # The dark theme: the same panel, every colour from the theme.
@@ -118,15 +119,6 @@ def test_gpu_rows_show_bars_history_and_who_holds_a_busy_selected_gpu(
 def _python_name() -> str:
     """The interpreter's base name, as ``/proc`` shows the other training's command line."""
     return os.path.basename(sys.executable)
-
-
-def _panel_fits(page: Page) -> None:
-    """Nothing in the panel is wider than the panel (a clipped column, a table that scrolls)."""
-    overflow = page.evaluate("""() => {
-        const panel = document.getElementById('accelnb-gpu-panel');
-        return panel.scrollWidth - panel.clientWidth;
-    }""")
-    assert overflow <= 0, f"the panel's content is {overflow}px wider than the panel"
 
 
 def _readable_in_the_dark(page: Page) -> None:

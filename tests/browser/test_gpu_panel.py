@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from lab_page import LabPage, gpu_checkbox, save_picture
+from lab_page import LabPage, assert_panel_fits, gpu_checkbox, save_picture
 from playwright.sync_api import Page, expect
 
 from tests.browser.conftest import ARTIFACTS, PICTURES, SYNTHETIC_GPUS, LabServer
@@ -201,6 +201,7 @@ def _rank_lines_fit(page: Page) -> None:
             .map(row => row.getBoundingClientRect().height);
         return {panel: panel.clientWidth, table: table.scrollWidth, head, lines};
     }""")
+    assert_panel_fits(page)
     assert sizes["table"] <= sizes["panel"], sizes
     assert all(height <= sizes["head"] + 2 for height in sizes["lines"]), sizes  # as tall as the header's one line
 
@@ -226,6 +227,7 @@ for step in range(100_000):
 
 def test_the_panels_stop_lets_code_that_checks_save_and_offers_stop_now(page: Page, lab_server: LabServer) -> None:
     path = lab_server.create_notebook("saving.ipynb", [LOAD_ACCELNB, SAVING_CELL])
+    page.set_viewport_size({"width": 1200, "height": 1000})  # the README's picture: panel and cell
     lab = LabPage(page)
     lab.open_notebook(lab_server.notebook_url(path, "saving"))
     panel = lab.open_gpu_panel()
@@ -238,6 +240,7 @@ def test_the_panels_stop_lets_code_that_checks_save_and_offers_stop_now(page: Pa
     expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_contain_text("stop requested", timeout=10_000)
     expect(panel.locator(".accelnb-GpuPanel-stop")).to_have_text("Stop now")
     expect(lab.output(1)).to_contain_text("stop requested")  # the cell says so too
+    assert_panel_fits(page)
     save_picture(page, PICTURES / "stop-saving.png", panel, lab.cell(1))
     expect(lab.output(1)).to_contain_text("stopped as asked", timeout=30_000)
     expect(lab.output(1)).to_contain_text(re.compile(r"rank 0 saved step \d+"))

@@ -2,26 +2,26 @@
 GPUs): each busy GPU names its trial, the sweep's table says which trial waits, and the cell shows
 the table of trials.
 
-Run with ``pytest -m browser tests/browser``. Screenshot: ``test-artifacts/sweep-panel.png``.
+Run with ``pytest -m browser tests/browser``. Picture: ``sweep-table.png`` (the README's).
 """
 
 from __future__ import annotations
 
 import pytest
-from lab_page import LabPage
+from lab_page import LabPage, assert_panel_fits, save_picture
 from playwright.sync_api import Page, expect
 
-from tests.browser.conftest import ARTIFACTS, SYNTHETIC_GPUS, LabServer
+from tests.browser.conftest import PICTURES, SYNTHETIC_GPUS, LabServer
 
 pytestmark = pytest.mark.browser
 
-SWEEP = """import os, accelnb
+SWEEP = """import accelnb
 def trial(config):
     import os, time
     while not os.path.exists(config["release"]):   # the test says when the trials may end
         time.sleep(0.05)
     return config["n"]
-release = os.path.abspath("release-sweep")
+release = "release-sweep"  # in the notebook's folder, where the trials run too
 trials = accelnb.sweep(trial, [{"n": n, "release": release} for n in range(3)], gpus_per_trial=2)
 print([t.state for t in trials])"""
 
@@ -30,6 +30,7 @@ def test_the_panel_names_the_trial_each_gpu_runs(page: Page, lab_server: LabServ
     release = lab_server.root_dir / "release-sweep"
     release.unlink(missing_ok=True)
     path = lab_server.create_notebook("sweep.ipynb", ["%load_ext accelnb", SWEEP])
+    page.set_viewport_size({"width": 1200, "height": 1000})  # the README's picture: panel and cell
     lab = LabPage(page)
     lab.open_notebook(lab_server.notebook_url(path, "sweep"))
     panel = lab.open_gpu_panel()
@@ -44,7 +45,8 @@ def test_the_panel_names_the_trial_each_gpu_runs(page: Page, lab_server: LabServ
         expect(panel.locator('.accelnb-GpuPanel-trials tr[data-trial="2"]')).to_contain_text("queued")
         expect(panel.locator(".accelnb-GpuPanel-sweep")).to_contain_text("Sweep: 2 running, 1 queued")
         expect(lab.output(1)).to_contain_text("accelnb sweep")  # the cell's table, live
-        page.screenshot(path=str(ARTIFACTS / "sweep-panel.png"))
+        assert_panel_fits(page)  # the trials' configs are cut to the panel, not the panel widened
+        save_picture(page, PICTURES / "sweep-table.png", panel, lab.cell(1))
     finally:
         release.write_text("")
     expect(lab.output(1)).to_contain_text("['done', 'done', 'done']", timeout=60_000)

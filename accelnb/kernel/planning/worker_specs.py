@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
 
 from accelnb.errors import LaunchConfigError
 from accelnb.kernel.planning import rank_plan
@@ -67,8 +66,3 @@ def threads_per_rank(rank_count: int) -> int:
             "share of the cores.")
     return int(first_level)
 
-
-def describe_start(the_plan: rank_plan.LaunchPlan, pids: Sequence[int]) -> str:
-    if len(pids) != len(the_plan.ranks):
-        raise ValueError(f"{len(pids)} pid(s) for {len(the_plan.ranks)} rank(s)")
-    return the_plan.table(pids)
