@@ -91,7 +91,9 @@ def what_accelerate_launch_gives(config: str, tmp_path: Path) -> dict[str, str]:
 def test_each_rank_gets_the_environment_accelerate_launch_gives(text: str, tmp_path: Path) -> None:
     config = write(tmp_path, "config.yaml", text)
     theirs = what_accelerate_launch_gives(config, tmp_path)
-    result = launch(environment, config_file=config, quiet=True)
+    # On a machine without GPUs (injected, so that a GPU machine runs the same test): the file's
+    # num_processes places 2 CPU ranks.
+    result = launch(environment, config_file=config, inventory=synthetic_inventory(0), quiet=True)
     assert sorted(result.values) == [0, 1]  # num_processes: 2 from the file
     for rank_env in result.values.values():
         assert accelerate_settings(rank_env) == accelerate_settings(theirs)
@@ -176,7 +178,7 @@ def test_deepspeed_without_deepspeed_installed_says_so(tmp_path: Path) -> None:
     path = write(tmp_path, "ds.yaml", "distributed_type: DEEPSPEED\nnum_processes: 2\n"
                                       "deepspeed_config:\n  zero_stage: 2\n")
     with pytest.raises(LaunchConfigError) as refused:
-        launch(environment, config_file=path, num_processes=2)
+        launch(environment, config_file=path, num_processes=2, cpu=True)
     assert f"{path}: distributed_type: DEEPSPEED, but deepspeed is not installed" in str(refused.value)
     assert "pip install deepspeed" in str(refused.value)
     assert worker_processes() == []

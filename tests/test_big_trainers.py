@@ -51,7 +51,7 @@ def hf_trainer(model_path: str, output_dir: str) -> tuple[int, int, str, int, st
 
 
 def test_hf_trainer_trains_with_ddp_across_the_ranks(tiny_lm: str, tmp_path: Path) -> None:
-    values = launch(hf_trainer, (tiny_lm, str(tmp_path)), num_processes=2, quiet=True, timeout=120).values
+    values = launch(hf_trainer, (tiny_lm, str(tmp_path)), num_processes=2, cpu=True, quiet=True, timeout=120).values
     assert [v[:5] for v in (values[0], values[1])] == [
         (2, 0, "distributed", 3, "DistributedDataParallel"), (2, 1, "distributed", 3, "DistributedDataParallel")]
     assert values[0][5] == values[1][5]  # one model: the ranks' losses are all-reduced
@@ -87,7 +87,7 @@ def lightning_ddp() -> tuple[int, int, str, bool, int]:
 
 def test_lightning_ddp_joins_the_launchs_ranks_and_process_group() -> None:
     pytest.importorskip("lightning")
-    values = launch(lightning_ddp, num_processes=2, quiet=True, timeout=120).values
+    values = launch(lightning_ddp, num_processes=2, cpu=True, quiet=True, timeout=120).values
     # torchrun's environment (TORCHELASTIC_RUN_ID, GROUP_RANK, ...): Lightning sees ranks torchrun
     # started for it (TorchElasticEnvironment) and keeps the process group it finds instead of
     # launching its own workers.
@@ -119,7 +119,7 @@ def fsdp2() -> tuple[str, tuple[int, ...], tuple[int, ...], list[float]]:
 
 
 def test_fsdp2_fully_shard_shards_parameters_across_cpu_ranks() -> None:
-    values = launch(fsdp2, num_processes=2, quiet=True, timeout=120).values
+    values = launch(fsdp2, num_processes=2, cpu=True, quiet=True, timeout=120).values
     for kind, local, full, losses in values.values():
         assert (kind, local, full) == ("DTensor", (8, 8), (16, 8))  # each rank holds half of each weight
         assert losses[-1] < losses[0]
@@ -150,7 +150,7 @@ def compiled_first_call() -> tuple[float, float, int, int, bool]:
 
 
 def test_torch_compile_compiles_in_the_rank_without_a_pool_of_compile_processes() -> None:
-    values = launch(compiled_first_call, num_processes=2, quiet=True, timeout=240).values
+    values = launch(compiled_first_call, num_processes=2, cpu=True, quiet=True, timeout=240).values
     for first, second, threads, children, same in values.values():
         assert (threads, children, same) == (1, 0, True)
         assert second < first
@@ -173,8 +173,8 @@ def generate(model_path: str, use_distributed: bool) -> tuple[list[list[int]], s
 
 
 def test_one_rank_loads_with_device_map_auto_and_generates(tiny_lm: str) -> None:
-    plain = launch(generate, (tiny_lm, False), num_processes=1, quiet=True, timeout=120).values[0]
-    distributed = launch(generate, (tiny_lm, True), num_processes=1, quiet=True, timeout=120).values[0]
+    plain = launch(generate, (tiny_lm, False), num_processes=1, cpu=True, quiet=True, timeout=120).values[0]
+    distributed = launch(generate, (tiny_lm, True), num_processes=1, cpu=True, quiet=True, timeout=120).values[0]
     assert plain[:2] == distributed[:2] and plain[1] == "cpu" and len(plain[0][0]) == 7
     assert (plain[2], distributed[2]) == (-1, 1)
 
@@ -230,7 +230,7 @@ def test_a_hanging_generate_shows_the_waiting_threads_stack_and_is_killed(tiny_l
     kernel_state = {"model_path": tiny_lm}
     # A session, so that the timeout covers the hang only: with the import inside the timed call,
     # a machine loaded by four parallel test runs timed out in the import, before generate().
-    with Session.start(num_processes=1, quiet=True) as session:
+    with Session.start(num_processes=1, cpu=True, quiet=True) as session:
         session.run(load_the_model, (tiny_lm,))
         with pytest.raises(LaunchTimeout) as info:
             session.run(stream_from_a_generate_that_hangs, (tiny_lm,), timeout=5)
@@ -239,4 +239,4 @@ def test_a_hanging_generate_shows_the_waiting_threads_stack_and_is_killed(tiny_l
     assert "in generate" in stacks and "in __call__" in stacks and "in wait" in stacks  # the generate thread
     wait_until_no_workers(5.0)
     assert kernel_state == {"model_path": tiny_lm} and not torch.cuda.is_initialized()
-    assert launch(os.getpid, num_processes=1, quiet=True).values[0] != os.getpid()  # the next launch works
+    assert launch(os.getpid, num_processes=1, cpu=True, quiet=True).values[0] != os.getpid()  # the next launch works

@@ -236,7 +236,7 @@ def test_ranks_that_do_not_answer_within_the_grace_are_stopped() -> None:
     protocol = CallProtocol(ranks.port())
     started = time.monotonic()
     assert protocol.wait(protocol.begin(None), None, stop, stop_grace=0.3) == "stop_requested"
-    assert 0.3 <= time.monotonic() - started < 5.0
+    assert 0.3 <= time.monotonic() - started < 20  # the grace, not forever (these ranks never answer)
     assert ranks.stop_requests == 1
 
 

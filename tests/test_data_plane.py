@@ -53,7 +53,7 @@ def leftovers() -> dict[str, list[str]]:
 
 def forget_last_result() -> None:
     """``last_result()`` keeps the latest values: replace them with a run that returns nothing."""
-    accelnb.launch(nothing, num_processes=2, quiet=True)
+    accelnb.launch(nothing, num_processes=2, cpu=True, quiet=True)
 
 
 def nothing() -> None:
@@ -106,7 +106,7 @@ def test_a_256_mb_tensor_goes_in_and_comes_back_over_a_mapping() -> None:
     forget_last_result()
     before = leftovers()
     x = torch.arange(BIG // 4, dtype=torch.float32)
-    first, last, back = accelnb.notebook_launcher(first_and_last, (x,), num_processes=2, quiet=True)
+    first, last, back = accelnb.notebook_launcher(first_and_last, (x,), num_processes=2, cpu=True, quiet=True)
 
     assert (first, last) == (0.0, float(x[-1]))
     assert torch.equal(back, x)
@@ -125,7 +125,7 @@ def test_numpy_arrays_a_state_dict_and_an_optimizer_travel_both_ways() -> None:
     model = torch.nn.Linear(512, 512)  # 1 MiB of weights: through a memfd
     arrays = [np.arange(SHARED // 8, dtype=np.float64), np.arange(6, dtype=np.int16).reshape(2, 3)]
     result = accelnb.launch(train_one_step, ({"model": model.state_dict(), "arrays": arrays},),
-                            num_processes=2, quiet=True).values[0]
+                            num_processes=2, cpu=True, quiet=True).values[0]
 
     assert isinstance(result["model"].weight, torch.nn.Parameter) and result["model"].weight.requires_grad
     assert torch.equal(result["state"]["weight"], result["model"].weight.detach())
@@ -143,7 +143,8 @@ def test_a_rank_writing_into_its_argument_changes_nothing_for_the_others(size: i
     x = torch.zeros(size // 4)
     a = np.zeros(size // 8)
     small = torch.zeros(4)
-    values = accelnb.launch(write_into_the_argument_on_rank_0, (x, a, small), num_processes=2, quiet=True).values
+    values = accelnb.launch(write_into_the_argument_on_rank_0, (x, a, small), num_processes=2, cpu=True,
+                            quiet=True).values
 
     assert values[0] == (1.0, 5.0, 1.0, float(size // 4))  # rank 0 sees its own writes
     assert values[1] == (0.0, 0.0, 0.0, 0.0)  # rank 1 still sees the original
@@ -154,7 +155,7 @@ def test_nothing_is_left_behind_after_a_failure() -> None:
     forget_last_result()
     before = leftovers()
     with pytest.raises(ValueError, match="boom with"):
-        accelnb.launch(fail_on_rank_1, (torch.ones(SHARED // 4),), num_processes=2, quiet=True)
+        accelnb.launch(fail_on_rank_1, (torch.ones(SHARED // 4),), num_processes=2, cpu=True, quiet=True)
     assert worker_processes() == []
     assert leftovers() == before
 
@@ -165,7 +166,7 @@ def test_nothing_is_left_behind_after_an_interrupt() -> None:
     remove_hook = run_state.add_wait_hook(InterruptWhenRunning())
     try:
         with pytest.raises(KeyboardInterrupt):
-            accelnb.launch(block_forever, (torch.ones(SHARED // 4),), num_processes=2, quiet=True)
+            accelnb.launch(block_forever, (torch.ones(SHARED // 4),), num_processes=2, cpu=True, quiet=True)
     finally:
         remove_hook()
     assert worker_processes() == []
@@ -173,7 +174,7 @@ def test_nothing_is_left_behind_after_an_interrupt() -> None:
 
 
 def test_a_persistent_session_frees_each_calls_arguments() -> None:
-    with accelnb.Session.start(num_processes=2) as session:
+    with accelnb.Session.start(num_processes=2, cpu=True) as session:
         for _ in range(3):
             session.run(first_and_last, (torch.ones(SHARED // 4),), output="none")
         forget = session.run(nothing, output="none")
@@ -188,7 +189,7 @@ def test_a_persistent_session_frees_each_calls_arguments() -> None:
 def test_a_256_mb_tensor_in_and_out_of_a_distributed_cell() -> None:
     cells = ["%load_ext accelnb",
              f"import torch\nX = torch.arange({BIG // 4}, dtype=torch.int32)",
-             "%%distributed --procs 2\ny = X\nif rank == 0:\n    y[0] = -1\nint(X[1] + X[-1])",
+             "%%distributed --procs 2 --cpu\ny = X\nif rank == 0:\n    y[0] = -1\nint(X[1] + X[-1])",
              ("import gc; gc.collect()\n"
               "maps = [l for l in open('/proc/self/maps') if 'memfd:accelnb' in l]\n"
               "print(int(y[0]), int(X[0]), torch.equal(y[1:], X[1:]), len(maps))")]

@@ -110,7 +110,7 @@ def test_unreachable_loopback_fails(healthy: MachineFacts) -> None:
     assert report.worst == "fail" and "ip link set lo up" in report.by_name("loopback").fix
 
 
-def test_the_real_doctor_runs_in_well_under_a_second(capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_real_doctor_runs_quickly_and_finds_this_machine_fit(capsys: pytest.CaptureFixture[str]) -> None:
     started = time.perf_counter()
     report = accelnb.doctor()
     seconds = time.perf_counter() - started
@@ -118,7 +118,7 @@ def test_the_real_doctor_runs_in_well_under_a_second(capsys: pytest.CaptureFixtu
     assert isinstance(report, DoctorReport) and all(isinstance(c, Check) for c in report)
     assert table.startswith("accelnb doctor:") and "/dev/shm" in table and "open files" in table
     assert report.by_name("loopback").status == "ok"
-    assert seconds < 5.0  # the goal is under 1 s; generous for a loaded CI machine
+    assert seconds < 20  # under 1 s when the machine is quiet; this bound only catches a check that hangs
     with capsys.disabled():
         print(f"\naccelnb.doctor() took {seconds * 1000:.0f} ms on this machine")
 

@@ -125,7 +125,7 @@ def train(**strategy):
 
 def launch_train(**strategy):
     started = time.monotonic()
-    values = accelnb.launch(train, num_processes=2, kwargs=strategy, quiet=True, timeout=60).values
+    values = accelnb.launch(train, num_processes=2, cpu=True, kwargs=strategy, quiet=True, timeout=60).values
     print("RESULT", json.dumps({"ranks": [values[0], values[1]], "seconds": time.monotonic() - started}))
 """,
     "default_strategy": "launch_train()",
@@ -160,7 +160,7 @@ def fabric_train():
             "children": len(psutil.Process().children(recursive=True)),
             "weight": [round(w, 6) for w in model.weight.detach().flatten().tolist()]}
 
-values = accelnb.launch(fabric_train, num_processes=2, quiet=True, timeout=60).values
+values = accelnb.launch(fabric_train, num_processes=2, cpu=True, quiet=True, timeout=60).values
 print("RESULT", json.dumps([values[0], values[1]]))
 """,
     "nothing_left": NOTHING_LEFT,
@@ -209,7 +209,7 @@ def test_strategy_ddp_notebook_inside_a_launch_fails_at_once_saying_what_to_writ
     assert "LaunchInsideLaunchError" in found["type"]
     assert "a launch inside a launch" in message and "strategy='ddp_notebook'" in message, message
     assert "Use strategy='ddp'" in message and "accelnb's 2 ranks" in message, message
-    assert found["seconds"] < 10, f"the refusal took {found['seconds']:.1f} s"
+    assert found["seconds"] < 30, f"the refusal took {found['seconds']:.1f} s"  # not the launch's timeout
     print(f"strategy='ddp_notebook' refused in {found['seconds']:.2f} s")
 
 
@@ -298,13 +298,13 @@ def launches_with_accelerate(num_processes):
     notebook_launcher(training_function, args=(42, 8, seen), num_processes=num_processes)
     return {"pid": os.getpid(), "seen": seen}
 
-values = accelnb.launch(launches_with_accelerate, args=(2,), num_processes=2, quiet=True, timeout=60).values
+values = accelnb.launch(launches_with_accelerate, args=(2,), num_processes=2, cpu=True, quiet=True, timeout=60).values
 print("RESULT", json.dumps([values[0], values[1]]))
 """,
     "accelerate_3": """
 started = time.monotonic()
 try:
-    accelnb.launch(launches_with_accelerate, args=(3,), num_processes=2, quiet=True, timeout=60)
+    accelnb.launch(launches_with_accelerate, args=(3,), num_processes=2, cpu=True, quiet=True, timeout=60)
 except accelnb.LaunchInsideLaunchError as error:
     print("RESULT", json.dumps({"type": type(error).__name__, "message": str(error),
                                 "seconds": time.monotonic() - started}))
@@ -312,13 +312,13 @@ except accelnb.LaunchInsideLaunchError as error:
     "load_magic": "%load_ext accelnb",
     "tutorial_code": TUTORIAL,
     # The tutorial's `if __name__ == "__main__":` block, in a cell of 2 ranks.
-    "tutorial": ("%%distributed --procs 2 --timeout 60 --output all\n"
+    "tutorial": ("%%distributed --procs 2 --cpu --timeout 60 --output all\n"
                  "world_size = 2  # the tutorial: torch.cuda.device_count()\n"
                  "run_demo(demo_basic, world_size)\n"
                  'print("RESULT", json.dumps({"cell_rank": rank, "pid": os.getpid()}))\n'),
     "before_4": "started = time.monotonic()",
     # The tutorial as written for a machine with 4 GPUs.
-    "tutorial_4": "%%distributed --procs 2 --timeout 60\nrun_demo(demo_basic, 4)\n",
+    "tutorial_4": "%%distributed --procs 2 --cpu --timeout 60\nrun_demo(demo_basic, 4)\n",
     "after_4": 'print("RESULT", json.dumps({"seconds": time.monotonic() - started}))',
     "nothing_left": NOTHING_LEFT,
 }
@@ -357,7 +357,7 @@ def test_notebook_launcher_for_another_number_of_processes_fails_at_once(
     # accelnb's numbers, though Accelerate set WORLD_SIZE=3 before calling elastic_launch.
     assert "of an accelnb launch of 2 ranks" in message and "ask for 2 processes" in message, message
     assert "3 ranks" not in message, message
-    assert found["seconds"] < 10, f"the refusal took {found['seconds']:.1f} s"
+    assert found["seconds"] < 30, f"the refusal took {found['seconds']:.1f} s"  # not the launch's timeout
 
 
 def test_the_tutorials_mp_spawn_runs_in_place_in_a_distributed_cell(launcher_kernel: dict[str, list[Any]]) -> None:
@@ -382,7 +382,7 @@ def test_the_tutorials_mp_spawn_for_4_processes_on_2_ranks_fails_at_once(launche
     assert "torch.multiprocessing.spawn()" in message and "nprocs=4" in message, message
     assert "accelnb launch of 2 ranks" in message and "This machine runs 2 ranks" in message, message
     seconds = only_result(launcher_kernel["after_4"])["seconds"]
-    assert seconds < 10, f"the refusal took {seconds:.1f} s"
+    assert seconds < 30, f"the refusal took {seconds:.1f} s"  # not the launch's timeout
 
 
 # A rank's RankFailed is also an instance of the rank's exception type (here a LaunchConfigError):

@@ -261,7 +261,7 @@ def kernel_side_modules(prefixes):
     return sorted(m for m in sys.modules if m.startswith(tuple(prefixes)) and (m in prefixes or m.startswith(
         tuple(p + "." for p in prefixes))))
 
-result = accelnb.launch(kernel_side_modules, args=(sys.argv[1:],), num_processes=2, quiet=True)
+result = accelnb.launch(kernel_side_modules, args=(sys.argv[1:],), num_processes=2, cpu=True, quiet=True)
 print(json.dumps({"ranks": {str(rank): value for rank, value in result.values.items()},
                   "caller": sorted(m for m in sys.modules if m.startswith("accelnb.kernel"))[:3]}))
 """

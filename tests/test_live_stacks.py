@@ -59,7 +59,7 @@ def test_stacks_of_a_launch_running_in_another_thread(tmp_path: Path) -> None:
 
     def launch_in_background() -> None:
         outcome["result"] = accelnb.launch(waiting_in_a_known_place, args=(str(markers), str(release)),
-                                           num_processes=2, quiet=True, output="none", timeout=120)
+                                           num_processes=2, cpu=True, quiet=True, output="none", timeout=120)
 
     launcher = threading.Thread(target=launch_in_background)
     launcher.start()
@@ -82,7 +82,7 @@ def test_stacks_of_a_launch_running_in_another_thread(tmp_path: Path) -> None:
 def test_stacks_of_a_session_between_cells(tmp_path: Path) -> None:
     markers, release = tmp_path / "markers", tmp_path / "release"
     markers.mkdir()
-    with Session.start(num_processes=2, quiet=True) as session:
+    with Session.start(num_processes=2, cpu=True, quiet=True) as session:
         outcome: dict[str, Any] = {}
         caller = threading.Thread(target=lambda: outcome.update(
             result=session.run(waiting_in_a_known_place, args=(str(markers), str(release)), output="none")))

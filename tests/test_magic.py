@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from IPython.core.error import UsageError
 
-from accelnb import launch, synthetic_inventory
+from accelnb import launch, read_inventory, synthetic_inventory
 from accelnb.notebook.magic import CellReturns, magic_wording, parse_cell_line, parse_start_options
 from accelnb.options import described_fields
 from accelnb.wire.cell_contract import DEFAULT_RETURN_LIMIT, CellRequest
@@ -35,7 +35,7 @@ CELLS = {
                "        self.fc = torch.nn.Linear(4, 1)\n"
                "scale = 3\n"
                "lock = threading.Lock()"),
-    "run": ("%%distributed --procs 2\n"
+    "run": ("%%distributed --procs 2 --cpu\n"
             "import torch.distributed as dist\n"
             "net = Net()\n"
             "total = torch.tensor([float(scale * (rank + 1))])\n"
@@ -43,16 +43,16 @@ CELLS = {
             "print(f'rank {rank} of {world_size} on {device}: {total.item()}')\n"
             "total.item() * 2"),
     "check": "print(type(net).__name__, total.device, total.item(), _distributed.plan.world_size)",
-    "unpicklable": "%%distributed --procs 2\nlock.locked()",
-    "fails": ("%%distributed --procs 2\n"
+    "unpicklable": "%%distributed --procs 2 --cpu\nlock.locked()",
+    "fails": ("%%distributed --procs 2 --cpu\n"
               "x = 1\n"
               "if rank == 1:\n"
               "    raise ValueError('boom on rank 1')\n"),
     "bad_option": "%%distributed --procs two\nprint(1)",
-    "bad_gpu": "%%distributed --gpus 5\nprint(1)",
-    "no_return": "%%distributed --procs 2 --return none --output all\nsecret = rank\nprint('hi')",
+    "bad_gpu": "%%distributed --gpus 99\nprint(1)",
+    "no_return": "%%distributed --procs 2 --cpu --return none --output all\nsecret = rank\nprint('hi')",
     "secret_absent": "print('secret' in globals())",
-    "restarts": ("%%distributed --procs 2 --max-restarts 1 --quiet\n"
+    "restarts": ("%%distributed --procs 2 --cpu --max-restarts 1 --quiet\n"
                  "import os, accelnb\n"
                  "if rank == 1 and accelnb.restart_count() == 0:\n"
                  "    os._exit(1)\n"
@@ -63,17 +63,17 @@ CELLS = {
     "observe": (f"import sys; sys.path.insert(0, {ROOT!r})\n"
                 "from tests.conftest import worker_processes\n"
                 "magic = get_ipython().magics_manager.registry['DistributedMagics']\n" + PIDS),
-    "start": "%distributed start --procs 2 --quiet",
+    "start": "%distributed start --procs 2 --cpu --quiet",
     "pids_started": PIDS,
     "session_1": "%%distributed\nmodel = Net()\nw0 = model.fc.weight.sum().item()",
     "session_2": ("%%distributed\nwith torch.no_grad():\n    model.fc.weight.add_(1.0)\n"
                   "round(model.fc.weight.sum().item() - w0, 3)"),
-    "devices_are_fixed": "%%distributed --procs 3\nprint(1)",
+    "devices_are_fixed": "%%distributed --procs 3 --cpu\nprint(1)",
     "no_restarts_in_a_session": "%%distributed --max-restarts 2\nprint(1)",
     "status": "%distributed status",
     "bad_restart": "%distributed restart --procs 0",
     "pids_after_bad_restart": PIDS,
-    "restart_with_new_options": "%distributed restart --procs 1 --quiet",
+    "restart_with_new_options": "%distributed restart --procs 1 --cpu --quiet",
     "status_new": "%distributed status",
     "restart_as_before": "%distributed restart",
     "status_again": "%distributed status",
@@ -120,7 +120,11 @@ def test_a_failing_rank_shows_the_cells_own_lines(outputs: dict[str, Any]) -> No
 def test_usage_errors_are_short(outputs: dict[str, Any]) -> None:
     assert "UsageError: argument --procs: invalid int value: 'two'" in stream_text(outputs["bad_option"], "stderr")
     bad_gpu = stream_text(outputs["bad_gpu"], "stderr")
-    assert "UsageError: GPU 5 does not exist on this machine" in bad_gpu and "--procs N" in bad_gpu
+    assert "UsageError: GPU 99 does not exist on this machine" in bad_gpu
+    # What this machine has (the kernel inherits this process's environment, so it sees these GPUs):
+    # the ones there are, or how to run CPU ranks instead.
+    visible = read_inventory().visible
+    assert (f"GPUs visible to this kernel: {visible[0].index} (" if visible else "--procs N") in bad_gpu, bad_gpu
     assert error_of(outputs["bad_gpu"]) is None  # a usage error, not a traceback
 
 
@@ -168,7 +172,7 @@ def test_restart_checks_new_options_first_then_reuses_or_replaces_them(outputs: 
     new = stream_text(outputs["status_new"])
     assert "accelnb session: 1 rank(s), backend gloo, running" in new
     again = stream_text(outputs["status_again"])
-    assert "accelnb session: 1 rank(s), backend gloo, running" in again  # the options it had: --procs 1
+    assert "accelnb session: 1 rank(s), backend gloo, running" in again  # the options it had: --procs 1 --cpu
     assert len({*started, *pids_in(new), *pids_in(again)}) == 4  # fresh workers each time
     assert result_of(outputs["variables_are_new"]) == "False"
 

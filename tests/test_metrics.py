@@ -46,7 +46,7 @@ def report_three_ways() -> int:
 
 
 def test_returned_history_equals_what_each_rank_reported() -> None:
-    history = launch(report_three_ways, num_processes=2, quiet=True).metrics
+    history = launch(report_three_ways, num_processes=2, cpu=True, quiet=True).metrics
     assert len(history) == 2 * 152
     assert history.ranks == [0, 1]
     assert history.names == ["loss", "lr", "val/acc", "epoch", "note"]
@@ -111,7 +111,7 @@ def report_until_rank_1_raises(steps_file: str) -> None:
 def test_metrics_survive_a_failure(tmp_path: Path) -> None:
     steps_file = tmp_path / "rank0-steps"
     with pytest.raises(LaunchFailed) as caught:
-        launch(report_until_rank_1_raises, args=(str(steps_file),), num_processes=2, quiet=True)
+        launch(report_until_rank_1_raises, args=(str(steps_file),), num_processes=2, cpu=True, quiet=True)
     history = caught.value.metrics
     assert history.series("loss", 1) == [(s, float(s)) for s in range(40)]
     rank_0 = history.series("loss", 0)
@@ -161,10 +161,10 @@ def test_bad_values_say_what_to_do() -> None:
         accelnb.report(**kwargs)
 
     with pytest.raises(LaunchFailed, match=r"must be a single number, got a tensor of shape \(3,\)"):
-        launch(_report_vector, num_processes=2, quiet=True)
+        launch(_report_vector, num_processes=2, cpu=True, quiet=True)
     for reserved in ("time", "attempt"):
         with pytest.raises(LaunchFailed, match="reserved"):
-            launch(bad, kwargs={reserved: 1.0}, num_processes=2, quiet=True)
+            launch(bad, kwargs={reserved: 1.0}, num_processes=2, cpu=True, quiet=True)
 
 
 def _report_vector() -> None:
@@ -193,7 +193,7 @@ def nested_progress() -> int:
 def test_progress_bars_iterate_on_every_rank_and_rank_0_is_shown(capsys: pytest.CaptureFixture[str]) -> None:
     from accelnb.worker.progress import progress
 
-    assert launch(nested_progress, num_processes=2, quiet=True).values == {0: 34, 1: 34}
+    assert launch(nested_progress, num_processes=2, cpu=True, quiet=True).values == {0: 34, 1: 34}
     shown = capsys.readouterr().out.splitlines()
     assert [line.split(" [")[0] for line in shown] == ["  4 it", "  batch: 100% 10/10"]
     assert list(progress([1, 2, 3], desc="outside a launch")) == [1, 2, 3]
@@ -283,7 +283,7 @@ REPORT = """
 def train():
     for step in range(200):
         accelnb.report(step=step, loss=1.0 / (step + 1))
-result = accelnb.launch(train, num_processes=2, quiet=True)
+result = accelnb.launch(train, num_processes=2, cpu=True, quiet=True)
 print(len(result.metrics.series("loss")))
 """
 
@@ -295,7 +295,7 @@ def train_with_accelerate():
     for step in range(200):
         accelerator.log({"loss": 1.0 / (step + 1), "eval": {"acc": step / 200}, "note": "text"}, step=step)
     accelerator.end_training()
-result = accelnb.launch(train_with_accelerate, num_processes=2, quiet=True)
+result = accelnb.launch(train_with_accelerate, num_processes=2, cpu=True, quiet=True)
 print(len(result.metrics.series("loss")))
 """
 
@@ -305,7 +305,7 @@ def storm():
         accelnb.report(step=step, loss=step % 7)
         if step % 1000 == 999:
             time.sleep(0.04)          # 50,000 reports over about 2 s
-result = accelnb.launch(storm, num_processes=2, quiet=True)
+result = accelnb.launch(storm, num_processes=2, cpu=True, quiet=True)
 print(len(result.metrics.series("loss")))
 """
 
@@ -313,7 +313,7 @@ PROGRESS = """
 def loop():
     for _ in progress(range(30), desc="epoch"):
         time.sleep(0.01)
-accelnb.launch(loop, num_processes=2, quiet=True)
+accelnb.launch(loop, num_processes=2, cpu=True, quiet=True)
 """
 
 TQDM = """
@@ -321,11 +321,11 @@ def with_tqdm():
     from tqdm import tqdm
     for _ in tqdm(range(100), desc="tq", mininterval=0):
         time.sleep(0.003)
-accelnb.launch(with_tqdm, num_processes=2, quiet=True)
+accelnb.launch(with_tqdm, num_processes=2, cpu=True, quiet=True)
 """
 
 NOTHING = """
-accelnb.launch(lambda: None, num_processes=2, quiet=True)
+accelnb.launch(lambda: None, num_processes=2, cpu=True, quiet=True)
 """
 
 

@@ -94,10 +94,10 @@ def test_every_mixed_precision_mode_of_accelerate_is_accepted_fp8_included() -> 
 
 
 ENTRY_POINTS: dict[str, Callable[..., Any]] = {
-    "notebook_launcher()": lambda **kw: notebook_launcher(print, num_processes=2, **kw),
-    "launch()": lambda **kw: launch(print, num_processes=2, **kw),
+    "notebook_launcher()": lambda **kw: notebook_launcher(print, num_processes=2, cpu=True, **kw),
+    "launch()": lambda **kw: launch(print, num_processes=2, cpu=True, **kw),
     "plan()": lambda **kw: accelnb.plan(num_processes=2, inventory=synthetic_inventory(0), **kw),
-    "Session.start()": lambda **kw: Session.start(num_processes=2, **kw),
+    "Session.start()": lambda **kw: Session.start(num_processes=2, cpu=True, **kw),
 }
 
 
@@ -124,7 +124,7 @@ def test_an_option_of_the_wrong_scope_says_where_it_belongs() -> None:
                                                 r"running session \(pass it to Session.run"):
         launch(os.getpid, num_processes=2, ranks=[1])  # type: ignore[call-arg]
     assert worker_processes() == []
-    with Session.start(num_processes=2, quiet=True) as session:
+    with Session.start(num_processes=2, cpu=True, quiet=True) as session:
         with pytest.raises(LaunchConfigError, match=r"^Session.run\(\) does not take gpus=: it places the "
                                                     r"ranks, so it is fixed when the workers start"):
             session.run(os.getpid, gpus="0")  # type: ignore[call-arg]
@@ -175,7 +175,7 @@ def test_signatures_and_docstrings_list_every_option_they_take(function: Callabl
 def test_omp_num_threads_with_nested_levels_gives_each_rank_the_first_level(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "3,2")  # legal OpenMP: 3 threads, 2 in nested regions
     assert threads_per_rank(2) == 3
-    values = launch(rank_and_threads, num_processes=2, quiet=True).values
+    values = launch(rank_and_threads, num_processes=2, cpu=True, quiet=True).values
     assert values == {0: (0, 3, "3,2"), 1: (1, 3, "3,2")}
 
 
@@ -183,8 +183,8 @@ def test_omp_num_threads_with_nested_levels_gives_each_rank_the_first_level(monk
 def test_a_garbage_omp_num_threads_is_a_clear_error_before_anything_starts(
         garbage: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", garbage)
-    for start in (lambda: launch(rank_and_threads, num_processes=2, quiet=True),
-                  lambda: Session.start(num_processes=2, quiet=True)):
+    for start in (lambda: launch(rank_and_threads, num_processes=2, cpu=True, quiet=True),
+                  lambda: Session.start(num_processes=2, cpu=True, quiet=True)):
         with pytest.raises(LaunchConfigError) as refused:
             start()
         message = str(refused.value)

@@ -157,7 +157,7 @@ def print_a_five_megabyte_line() -> None:
 
 
 def test_a_real_launch_printing_a_giant_line(capfd: pytest.CaptureFixture[str], no_leftovers: None) -> None:
-    launch(print_a_five_megabyte_line, num_processes=2, quiet=True)
+    launch(print_a_five_megabyte_line, num_processes=2, cpu=True, quiet=True)
     shown = capfd.readouterr().out
 
     notices = NOTICE.findall(shown)

@@ -36,7 +36,7 @@ def train_step_waiting_for_the_test(path):
         time.sleep(0.05)
     return os.environ["RANK"]
 
-result = launch(train_step_waiting_for_the_test, ({path!r},), num_processes=2, quiet=True)
+result = launch(train_step_waiting_for_the_test, ({path!r},), num_processes=2, cpu=True, quiet=True)
 print("values", sorted(result.values.items()))
 """
 

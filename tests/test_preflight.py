@@ -47,18 +47,18 @@ def refusing_loopback(plan: Any) -> MachineFacts:
 def test_a_warning_shows_once_per_kernel_and_the_launch_runs(injected: Any, capsys: pytest.CaptureFixture[str],
                                                              no_leftovers: None) -> None:
     injected(small_shm)
-    assert launch(os.getpid, num_processes=2, quiet=True).values.keys() == {0, 1}
+    assert launch(os.getpid, num_processes=2, cpu=True, quiet=True).values.keys() == {0, 1}
     first = capsys.readouterr().err
     assert "accelnb doctor: warn /dev/shm: 64 MB in all, 60 MB free" in first
     assert "fix: give the container more: `docker run --shm-size=16g" in first
-    assert launch(os.getpid, num_processes=2, quiet=True).values.keys() == {0, 1}
+    assert launch(os.getpid, num_processes=2, cpu=True, quiet=True).values.keys() == {0, 1}
     assert "accelnb doctor" not in capsys.readouterr().err  # shown once per kernel
 
 
 def test_a_failed_check_stops_every_entry_point_before_anything_starts(injected: Any) -> None:
     injected(refusing_loopback)
-    starts = (lambda: launch(os.getpid, num_processes=2, quiet=True),
-              lambda: Session.start(num_processes=2, quiet=True))
+    starts = (lambda: launch(os.getpid, num_processes=2, cpu=True, quiet=True),
+              lambda: Session.start(num_processes=2, cpu=True, quiet=True))
     for start in starts:
         with pytest.raises(LaunchConfigError) as refused:
             start()
@@ -73,7 +73,7 @@ def test_a_low_file_limit_warns_at_launch_in_a_real_process() -> None:
     def lower_limit() -> None:
         resource.setrlimit(resource.RLIMIT_NOFILE, (512, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
 
-    code = "import os, accelnb; print(sorted(accelnb.launch(os.getpid, num_processes=2, quiet=True).values))"
+    code = "import os, accelnb; print(sorted(accelnb.launch(os.getpid, num_processes=2, cpu=True, quiet=True).values))"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           preexec_fn=lower_limit, cwd=ROOT, env={**os.environ, "PYTHONPATH": ROOT})
     assert done.returncode == 0, done.stderr
@@ -112,8 +112,8 @@ CELLS = {
     "fail": ("from accelnb.kernel.doctor.preflight import set_facts_source\n"
              "from tests.test_preflight import refusing_loopback\n"
              "set_facts_source(refusing_loopback)"),
-    "cell_refused": "%%distributed --procs 2\nprint('ran')",
-    "start_refused": "%distributed start --procs 2",
+    "cell_refused": "%%distributed --procs 2 --cpu\nprint('ran')",
+    "start_refused": "%distributed start --procs 2 --cpu",
     "pids": "from tests.conftest import worker_processes\nprint(worker_processes())",
 }
 

@@ -78,7 +78,7 @@ def run_demo_basic() -> list[float]:
 # the GIL: accelnb/worker/other_launchers/process_group.py's _keep_alive); 100 runs in a row pass now.
 def test_the_tutorials_setup_and_cleanup_run_unchanged() -> None:
     # timeout=: a hang (seen once in a full run) fails in 2 minutes with every rank's stack.
-    result = launch(run_demo_basic, num_processes=2, quiet=True, collect="all", timeout=120)
+    result = launch(run_demo_basic, num_processes=2, cpu=True, quiet=True, collect="all", timeout=120)
     # DDP averaged the gradients: both ranks hold the same weights after the step.
     assert result.values[0] == result.values[1]
 
@@ -98,7 +98,7 @@ def torchrun_style_main(total: int) -> tuple[int, int, float]:
 
 
 def test_a_torchrun_scripts_init_and_destroy_run_unchanged() -> None:
-    result = launch(torchrun_style_main, args=(10,), num_processes=2, quiet=True, collect="all", timeout=120)
+    result = launch(torchrun_style_main, args=(10,), num_processes=2, cpu=True, quiet=True, collect="all", timeout=120)
     assert result.values == {0: (0, 2, 21.0), 1: (1, 2, 21.0)}
 
 
@@ -132,7 +132,7 @@ def joins_with_its_own_store(port: int) -> tuple[int, int, float]:
 
 @pytest.mark.parametrize("joins", [joins_by_tcp_init_method, joins_with_its_own_store])
 def test_the_codes_own_init_method_gives_a_group_over_the_launched_ranks(joins: object, free_port: int) -> None:
-    result = launch(joins, args=(free_port,), num_processes=2, quiet=True, collect="all", timeout=120)
+    result = launch(joins, args=(free_port,), num_processes=2, cpu=True, quiet=True, collect="all", timeout=120)
     assert result.values == {0: (0, 2, 3.0), 1: (1, 2, 3.0)}
 
 
@@ -146,7 +146,7 @@ def waits_in_a_barrier_the_other_rank_skips(seconds: float) -> None:
 def test_the_codes_own_timeout_is_the_groups() -> None:
     started = time.monotonic()
     with pytest.raises(RankFailed) as failed:
-        launch(waits_in_a_barrier_the_other_rank_skips, args=(2.0,), num_processes=2, quiet=True)
+        launch(waits_in_a_barrier_the_other_rank_skips, args=(2.0,), num_processes=2, cpu=True, quiet=True)
     took = time.monotonic() - started
     assert failed.value.failures[0].rank == 0
     assert took < 60, f"the barrier waited {took:.0f} s: the code's timeout of 2 s was not the group's"
@@ -158,7 +158,7 @@ def asks_for_four_ranks() -> None:
 
 def test_a_world_size_that_contradicts_the_launch_names_both_numbers() -> None:
     with pytest.raises(RankFailed) as failed:
-        launch(asks_for_four_ranks, num_processes=2, quiet=True)
+        launch(asks_for_four_ranks, num_processes=2, cpu=True, quiet=True)
     message = str(failed.value)
     assert "init_process_group(world_size=4)" in message and "(2 ranks in all)" in message, message
 
@@ -175,7 +175,7 @@ def sums_ranks() -> float:
 
 
 def test_a_session_has_a_group_again_after_the_code_destroyed_it() -> None:
-    with Session.start(num_processes=2) as session:
+    with Session.start(num_processes=2, cpu=True) as session:
         assert session.run(destroys_the_group, collect="all").values == {0: "destroyed", 1: "destroyed"}
         assert session.run(sums_ranks, collect="all").values == {0: 1.0, 1: 1.0}
         assert session.run(torchrun_style_main, (0,), collect="all").values == {0: (0, 2, 1.0), 1: (1, 2, 1.0)}
@@ -189,7 +189,7 @@ def native_threads() -> int:
 def test_a_session_lets_the_groups_the_code_destroyed_go_between_calls() -> None:
     # Each tutorial call destroys a group that accelnb keeps alive until the call is over (see
     # _keep_alive); the next call lets it go. Kept for good, every call would add its gloo threads.
-    with Session.start(num_processes=2) as session:
+    with Session.start(num_processes=2, cpu=True) as session:
         threads = []
         for _ in range(4):
             session.run(run_demo_basic)
@@ -212,7 +212,7 @@ def main():
     destroy_process_group()
     return value.item()
 
-print(sorted(accelnb.launch(main, num_processes=2, quiet=True, collect="all").values.items()))
+print(sorted(accelnb.launch(main, num_processes=2, cpu=True, quiet=True, collect="all").values.items()))
 """
 
 
@@ -249,7 +249,7 @@ def test_accelerates_timeout_is_the_groups() -> None:
     # on GPUs only: with use_cpu it passes none, under torchrun as here.
     started = time.monotonic()
     with pytest.raises(RankFailed) as failed:
-        launch(accelerator_with_timeout_then_rank_1_waits_alone, args=(2.0,), num_processes=2, quiet=True,
+        launch(accelerator_with_timeout_then_rank_1_waits_alone, args=(2.0,), num_processes=2, cpu=True, quiet=True,
                timeout=120)
     took = time.monotonic() - started
     assert failed.value.failures[0].rank == 1 and "Timed out" in str(failed.value)

@@ -99,7 +99,7 @@ def say_then_fail_on_rank_1() -> None:
 
 @pytest.mark.usefixtures("no_leftovers")
 def test_output_none_shows_nothing_live_but_keeps_every_line(capfd: pytest.CaptureFixture[str]) -> None:
-    result = launch(say_rank, num_processes=2, quiet=True, output="none")
+    result = launch(say_rank, num_processes=2, cpu=True, quiet=True, output="none")
     assert "hello" not in capfd.readouterr().out
     assert result.output(0) == "hello from rank 0\n" and result.output(1) == "hello from rank 1\n"
     assert result.values == {0: 0, 1: 1}
@@ -108,26 +108,27 @@ def test_output_none_shows_nothing_live_but_keeps_every_line(capfd: pytest.Captu
 @pytest.mark.usefixtures("no_leftovers")
 def test_output_none_still_shows_what_the_failed_rank_printed(capfd: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(RankFailed) as failed:
-        launch(say_then_fail_on_rank_1, num_processes=2, quiet=True, output="none")
+        launch(say_then_fail_on_rank_1, num_processes=2, cpu=True, quiet=True, output="none")
     assert "rank 1 about to decide" in str(failed.value) and "rank 1 gives up" in str(failed.value)
     assert "about to decide" not in capfd.readouterr().out
 
 
 @pytest.mark.usefixtures("no_leftovers")
 def test_collect_decides_whose_values_come_back() -> None:
-    assert launch(say_rank, num_processes=2, quiet=True, output="none").values == {0: 0, 1: 1}  # default "all"
-    assert launch(say_rank, num_processes=2, quiet=True, output="none", collect="rank0").values == {0: 0}
-    assert notebook_launcher(say_rank, num_processes=2, quiet=True, output="none") == 0
+    # collect="all" is the default
+    assert launch(say_rank, num_processes=2, cpu=True, quiet=True, output="none").values == {0: 0, 1: 1}
+    assert launch(say_rank, num_processes=2, cpu=True, quiet=True, output="none", collect="rank0").values == {0: 0}
+    assert notebook_launcher(say_rank, num_processes=2, cpu=True, quiet=True, output="none") == 0
     latest = last_result()
     assert latest is not None and latest.values == {0: 0}  # notebook_launcher collects rank 0's only
-    assert notebook_launcher(say_rank, num_processes=2, quiet=True, output="none", collect="all") == 0
+    assert notebook_launcher(say_rank, num_processes=2, cpu=True, quiet=True, output="none", collect="all") == 0
     latest = last_result()
     assert latest is not None and latest.values == {0: 0, 1: 1}
 
 
 @pytest.mark.usefixtures("no_leftovers")
 def test_collect_and_output_through_a_session(capfd: pytest.CaptureFixture[str]) -> None:
-    with Session.start(num_processes=2, quiet=True) as session:
+    with Session.start(num_processes=2, cpu=True, quiet=True) as session:
         pids = {p.pid for p in worker_processes()}
         assert len(pids) == 2
         everyone = session.run(say_rank, collect="all", output="none")

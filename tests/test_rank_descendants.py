@@ -177,7 +177,7 @@ def test_a_detached_process_is_gone_when_its_rank_ends(how: str, start: str, tmp
     killer = kill_rank_1_once_it_reported(str(tmp_path)) if how == "sigkill" else None
     error: BaseException | None = None
     try:
-        accelnb.launch(start_then_end, (str(tmp_path), how, start), num_processes=2, quiet=True)
+        accelnb.launch(start_then_end, (str(tmp_path), how, start), num_processes=2, cpu=True, quiet=True)
     except accelnb.LaunchFailed as failed:
         error = failed
     if killer is not None:
@@ -214,7 +214,7 @@ def start_then_terminate(how: str) -> int:
 
 @pytest.mark.parametrize("how", ["subprocess", "fork"])
 def test_a_process_the_rank_starts_dies_of_sigterm_and_the_rank_does_not(how: str) -> None:
-    values = accelnb.launch(start_then_terminate, (how,), num_processes=2, quiet=True).values
+    values = accelnb.launch(start_then_terminate, (how,), num_processes=2, cpu=True, quiet=True).values
     assert values == {0: -signal.SIGTERM, 1: -signal.SIGTERM}
 
 

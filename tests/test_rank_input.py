@@ -36,7 +36,7 @@ SETUP = """
 %load_ext accelnb
 import json, os, accelnb
 from accelnb import notebook_launcher
-notebook_launcher(int, num_processes=2, quiet=True)  # warm: later timings are the runs' own
+notebook_launcher(int, num_processes=2, cpu=True, quiet=True)  # warm: later timings are the runs' own
 print(json.dumps({"kernel": os.getpid()}))
 """
 
@@ -178,7 +178,7 @@ def ask():
         dist.barrier()
     return answer
 # A session: its workers have joined before the timed call, so timeout= bounds the call alone.
-with accelnb.Session.start(num_processes=2) as session:
+with accelnb.Session.start(num_processes=2, cpu=True) as session:
     session.run(int)
     asked = session.run(ask, timeout=1.0, collect="all")
     after = session.run(lambda: "inbox in step", collect="all")  # replies never desynchronise calls
@@ -206,7 +206,7 @@ def test_input_round_trip_on_rank_0_and_rank_1(kernel: Kernel, no_workers_after:
     assert "[rank 1] rank 1 got one" in out  # a rank that asked is shown from then on, prefixed
 
 
-CELL = """%%distributed --procs 2
+CELL = """%%distributed --procs 2 --cpu
 base = 10 * (rank + 1)
 answer = input(f"cell rank {rank}? ") if rank == 0 else "0"
 base + int(answer)
@@ -222,7 +222,7 @@ def test_input_in_a_distributed_cell(kernel: Kernel, no_workers_after: None) -> 
     assert kernel.result(msg_id) == "15"  # the answer went to rank 0, and its value came back
 
 
-DEBUGGED = """%%distributed --procs 2
+DEBUGGED = """%%distributed --procs 2 --cpu
 def double(v):
     w = v * 2
     return w
@@ -270,7 +270,7 @@ def quits():
     if dist.get_rank() == 1:
         breakpoint()
     dist.barrier()  # rank 0 waits here, as in training, while rank 1 is in the debugger
-notebook_launcher(quits, num_processes=2, quiet=True)
+notebook_launcher(quits, num_processes=2, cpu=True, quiet=True)
 """
 
 
@@ -297,7 +297,7 @@ def one_fails(signal_file):
             time.sleep(0.01)
         raise ValueError("rank 0 gave up")
     return input("still there? ")
-notebook_launcher(one_fails, args=({signal_file!r},), num_processes=2, quiet=True)
+notebook_launcher(one_fails, args=({signal_file!r},), num_processes=2, cpu=True, quiet=True)
 """
 
 
@@ -317,7 +317,7 @@ def test_a_failure_elsewhere_is_told_at_the_prompt(kernel: Kernel, no_workers_af
 WAITS = """
 def waits():
     return input("never answered? ")
-notebook_launcher(waits, num_processes=2, quiet=True)
+notebook_launcher(waits, num_processes=2, cpu=True, quiet=True)
 """
 
 
@@ -338,7 +338,7 @@ def stops_in_debugger():
     x = dist.get_rank()
     breakpoint()
     return x
-session = accelnb.Session.start(num_processes=2)
+session = accelnb.Session.start(num_processes=2, cpu=True)
 session.run(int)
 session.run(stops_in_debugger)
 """
@@ -402,7 +402,7 @@ def fn():
     return x
 
 if __name__ == "__main__":
-    print("value", accelnb.notebook_launcher(fn, num_processes=2, quiet=True))
+    print("value", accelnb.notebook_launcher(fn, num_processes=2, cpu=True, quiet=True))
 """
 
 

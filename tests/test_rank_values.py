@@ -25,7 +25,6 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
 import accelnb
 from accelnb.kernel.helper.client import shared_helper
@@ -33,6 +32,7 @@ from accelnb.wire.channel import MessageReader
 from accelnb.wire.events import CallError
 from accelnb.wire.result_pickling import loads_in_kernel
 from accelnb.wire.spec import WorkerSpec
+from tests.gpu.gpukit import needs_gpus
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -58,7 +58,7 @@ def rank_1_raises_with_a_lazy_tensor() -> None:
 
 def test_an_exception_holding_a_non_cpu_tensor_comes_back_with_it_on_the_cpu() -> None:
     with pytest.raises(ValueError, match="Rank 1 failed: ValueError") as raised:
-        accelnb.launch(rank_1_raises_with_a_lazy_tensor, num_processes=2, quiet=True)
+        accelnb.launch(rank_1_raises_with_a_lazy_tensor, num_processes=2, cpu=True, quiet=True)
     failure = raised.value.root_cause  # type: ignore[attr-defined]
     original = loads_in_kernel(failure.exception)
     assert type(original) is ValueError and original.args[0] == "bad batch"
@@ -66,7 +66,7 @@ def test_an_exception_holding_a_non_cpu_tensor_comes_back_with_it_on_the_cpu() -
 
 
 def test_a_non_cpu_tensor_returned_comes_back_on_the_cpu() -> None:
-    values = accelnb.launch(lazy_ones, num_processes=2, quiet=True).values
+    values = accelnb.launch(lazy_ones, num_processes=2, cpu=True, quiet=True).values
     assert [values[rank].device.type for rank in (0, 1)] == ["cpu", "cpu"]
 
 
@@ -87,7 +87,7 @@ KERNEL_STAYS_CUDA_FREE = textwrap.dedent("""
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@needs_gpus(1)
 def test_an_exception_holding_a_cuda_tensor_does_not_initialise_cuda_in_the_kernel() -> None:
     # A fresh process plays the kernel: this one may have initialised CUDA in another test.
     done = subprocess.run([sys.executable, "-c", KERNEL_STAYS_CUDA_FREE], capture_output=True, text=True,
@@ -132,7 +132,7 @@ def assert_no_machinery_frames(message: str) -> None:
 @pytest.mark.parametrize("type_name", list(UNPICKLABLE))
 def test_an_unpicklable_return_value_names_the_rank_its_type_and_the_fix(type_name: str) -> None:
     with pytest.raises(TypeError) as raised:
-        accelnb.launch(rank_1_returns, (UNPICKLABLE[type_name],), num_processes=2, quiet=True)
+        accelnb.launch(rank_1_returns, (UNPICKLABLE[type_name],), num_processes=2, cpu=True, quiet=True)
     message = str(raised.value)
     assert isinstance(raised.value, accelnb.RankFailed)
     assert message.startswith(f"Rank 1 failed: TypeError: the function returned a {type_name} on rank 1"), message
@@ -175,7 +175,7 @@ def raise_on_rank_1(kind: str) -> None:
 def test_an_exception_that_cannot_travel_keeps_its_type_message_and_traceback(
         kind: str, expected: type[Exception], first_line: str) -> None:
     with pytest.raises(expected) as raised:
-        accelnb.launch(raise_on_rank_1, (kind,), num_processes=2, quiet=True)
+        accelnb.launch(raise_on_rank_1, (kind,), num_processes=2, cpu=True, quiet=True)
     message = str(raised.value)
     assert message.startswith(first_line), message
     assert "in raise_on_rank_1" in message, message  # the user's own frame
@@ -195,7 +195,7 @@ def report_a_bad_metric_on_rank_1() -> None:
 
 def test_the_traceback_shows_the_users_frames_and_none_of_accelnbs() -> None:
     with pytest.raises(RuntimeError, match="Rank 1 failed: RuntimeError: logging failed") as raised:
-        accelnb.launch(report_a_bad_metric_on_rank_1, num_processes=2, quiet=True)
+        accelnb.launch(report_a_bad_metric_on_rank_1, num_processes=2, cpu=True, quiet=True)
     message = str(raised.value)
     assert "accelnb.report: metric 'loss' must be a number" in message  # the cause, chained
     assert message.count("in report_a_bad_metric_on_rank_1") == 2, message  # once per exception

@@ -106,7 +106,7 @@ def ddp_training(steps: int, slow_rank: int | None) -> int:
 
 @pytest.mark.usefixtures("no_leftovers")
 def test_the_result_keeps_every_ranks_steps_times_and_waits() -> None:
-    result = launch(ddp_training, args=(30, 1), num_processes=2, quiet=True, timeout=120)
+    result = launch(ddp_training, args=(30, 1), num_processes=2, cpu=True, quiet=True, timeout=120)
     assert sorted(result.ranks) == [0, 1]
     for rank, summary in result.ranks.items():
         assert summary.steps == 30 and sum(w.steps for w in summary.windows) == 30, (rank, summary)
@@ -123,7 +123,7 @@ def reports_without_an_optimizer() -> None:
 
 @pytest.mark.usefixtures("no_leftovers")
 def test_code_that_only_reports_steps_counts_its_report_steps() -> None:
-    result = launch(reports_without_an_optimizer, num_processes=2, quiet=True, timeout=120)
+    result = launch(reports_without_an_optimizer, num_processes=2, cpu=True, quiet=True, timeout=120)
     assert {rank: s.steps for rank, s in result.ranks.items()} == {0: 4, 1: 4}
 
 
@@ -226,14 +226,14 @@ def lightning_trainer_with_its_progress_bar() -> int:
 
 @pytest.mark.usefixtures("no_leftovers")
 def test_rank_0s_tqdm_bar_is_the_cells_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
-    launch(tqdm_loop, num_processes=2, quiet=True, timeout=120)
+    launch(tqdm_loop, num_processes=2, cpu=True, quiet=True, timeout=120)
     assert "  train: 100% 30/30 [" in capsys.readouterr().out  # the view's summary, outside a notebook
 
 
 @pytest.mark.usefixtures("no_leftovers")
 def test_the_hf_trainers_max_steps_is_the_bars_total(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("transformers")
-    assert launch(hf_trainer_with_its_progress_bar, args=(str(tmp_path),), num_processes=2, quiet=True,
+    assert launch(hf_trainer_with_its_progress_bar, args=(str(tmp_path),), num_processes=2, cpu=True, quiet=True,
                   timeout=120).value == 6
     shown = capsys.readouterr().out
     assert "100% 6/6 [" in shown and "accelnb ranks (final)" in shown, shown
@@ -242,7 +242,8 @@ def test_the_hf_trainers_max_steps_is_the_bars_total(tmp_path: Any, capsys: pyte
 @pytest.mark.usefixtures("no_leftovers")
 def test_lightnings_progress_bar_total_is_the_bars_total(capsys: pytest.CaptureFixture[str]) -> None:
     pytest.importorskip("lightning")
-    assert launch(lightning_trainer_with_its_progress_bar, num_processes=2, quiet=True, timeout=120).value == 4
+    assert launch(lightning_trainer_with_its_progress_bar, num_processes=2, cpu=True, quiet=True,
+                  timeout=120).value == 4
     shown = capsys.readouterr().out
     assert "Epoch 0/0: 100% 4/4 [" in shown, shown  # 64 samples, batches of 8, split over 2 ranks: 4 steps
 
@@ -254,7 +255,7 @@ def reports_with_a_total() -> None:
 
 @pytest.mark.usefixtures("no_leftovers")
 def test_report_total_makes_the_progress_bar(capsys: pytest.CaptureFixture[str]) -> None:
-    result = launch(reports_with_a_total, num_processes=2, quiet=True, timeout=120)
+    result = launch(reports_with_a_total, num_processes=2, cpu=True, quiet=True, timeout=120)
     assert "  steps: 100% 20/20 [" in capsys.readouterr().out
     assert [value for _, value in result.metrics.series("loss")][-1] == pytest.approx(0.05)  # metrics as before
 
@@ -266,7 +267,7 @@ def reports_a_float_total() -> None:
 @pytest.mark.usefixtures("no_leftovers")
 def test_a_total_that_is_not_a_number_of_steps_says_how_to_report_a_metric_called_total() -> None:
     with pytest.raises(accelnb.RankFailed) as failed:
-        launch(reports_a_float_total, num_processes=1, quiet=True, timeout=120)
+        launch(reports_a_float_total, num_processes=1, cpu=True, quiet=True, timeout=120)
     assert "total= is how many steps the run takes" in str(failed.value)
     assert "report({'total': value})" in str(failed.value)
 
@@ -287,7 +288,7 @@ def ddp_inference_then_training(inference_steps: int, training_steps: int) -> No
 
 @pytest.mark.usefixtures("no_leftovers")
 def test_an_inference_loop_counts_its_forwards_and_training_counts_only_optimizer_steps() -> None:
-    inference = launch(ddp_inference_then_training, args=(25, 0), num_processes=2, quiet=True, timeout=120)
+    inference = launch(ddp_inference_then_training, args=(25, 0), num_processes=2, cpu=True, quiet=True, timeout=120)
     assert {rank: s.steps for rank, s in inference.ranks.items()} == {0: 25, 1: 25}
-    training = launch(ddp_inference_then_training, args=(5, 12), num_processes=2, quiet=True, timeout=120)
+    training = launch(ddp_inference_then_training, args=(5, 12), num_processes=2, cpu=True, quiet=True, timeout=120)
     assert {rank: s.steps for rank, s in training.ranks.items()} == {0: 12, 1: 12}

@@ -90,20 +90,20 @@ def test_sizes_read_and_written_as_people_do() -> None:
 # ── in a real kernel ────────────────────────────────────────────────────────────────────────────
 CELLS = {
     "load": "%load_ext accelnb",
-    "assign": ("%%distributed --procs 2\n"
+    "assign": ("%%distributed --procs 2 --cpu\n"
                "import torch\n"
                "big = torch.ones(300_000_000 // 4)\n"
                "small = torch.arange(3) + rank\n"
                "loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)\n"
                "steps = 7"),
     "check": "print('big' in globals(), 'loader' in globals(), small.tolist(), steps)",
-    "limit": ("%%distributed --procs 2 --return-limit 1MB\n"
+    "limit": ("%%distributed --procs 2 --cpu --return-limit 1MB\n"
               "import torch\nmid = torch.ones(500_000)\n"
               "tiny = 1"),
-    "named": ("%%distributed --procs 2 --return-limit 1MB --return mid\n"
+    "named": ("%%distributed --procs 2 --cpu --return-limit 1MB --return mid\n"
               "import torch\nmid = torch.full((500_000,), 2.0)"),
     "check_named": "print(float(mid.sum()), 'tiny' in globals())",
-    "bad_limit": "%%distributed --procs 2 --return-limit lots\nx = 1",
+    "bad_limit": "%%distributed --procs 2 --cpu --return-limit lots\nx = 1",
 }
 
 

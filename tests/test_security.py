@@ -73,7 +73,7 @@ def during_a_run(report_dir: Path, look: Callable[[list[int]], None]) -> accelnb
 
     thread = threading.Thread(target=inspect)
     thread.start()
-    result = accelnb.launch(hold, (str(report_dir),), num_processes=2, quiet=True)
+    result = accelnb.launch(hold, (str(report_dir),), num_processes=2, cpu=True, quiet=True)
     thread.join()
     if failure:
         raise failure[0]
@@ -185,7 +185,7 @@ def test_outsider_pickles_are_never_loaded(tmp_path: Path) -> None:
     result = during_a_run(reports, look)
     assert result.plan.master_port in tried and len(tried) >= 2, tried  # the store and gloo's pairs
     assert not marker.exists(), "a pickle sent by an outsider was loaded"
-    assert accelnb.launch(hold_free, num_processes=2, quiet=True).values == {0: 0, 1: 1}
+    assert accelnb.launch(hold_free, num_processes=2, cpu=True, quiet=True).values == {0: 0, 1: 1}
 
 
 def hold_free() -> int:
@@ -199,9 +199,9 @@ import os, sys
 sys.path.insert(0, sys.argv[1])
 import accelnb
 from faultkit import fault_target, ok_target
-assert accelnb.launch(ok_target, num_processes=2, quiet=True).values == {0: 2.0, 1: 2.0}
+assert accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True).values == {0: 2.0, 1: 2.0}
 try:
-    accelnb.launch(fault_target, ("segfault", 1, "after", sys.argv[2]), num_processes=2, quiet=True)
+    accelnb.launch(fault_target, ("segfault", 1, "after", sys.argv[2]), num_processes=2, cpu=True, quiet=True)
 except accelnb.RankCrashed:
     pass
 else:

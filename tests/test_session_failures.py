@@ -165,7 +165,7 @@ def test_an_interrupt_stops_the_cell_on_every_rank_and_keeps_the_variables(sessi
     finally:
         remove_hook()
     reader.join()
-    assert time.monotonic() - interrupted[0] < 3.0
+    assert time.monotonic() - interrupted[0] < 20  # at once: not the cell's sleep, nor the 120 s stop grace
     assert session.alive
     assert session.run(recall).values == {0: 10, 1: 11}
     assert session.run(os.getpid).values == {0: pids[0], 1: pids[1]}

@@ -23,7 +23,7 @@ CELLS = {
     "load": (f"%load_ext accelnb\nimport sys; sys.path.insert(0, {ROOT!r})\n"
              "from tests.conftest import worker_processes"),
     "without_session": "%%distributed --ranks 1\nprint('ran')",
-    "start": "%distributed start --procs 2 --quiet",
+    "start": "%distributed start --procs 2 --cpu --quiet",
     "everyone": "%%distributed\nstep = 0",
     "on_rank_1": ("%%distributed --ranks 1\n"
                   "step = 41\n"
@@ -102,7 +102,7 @@ def test_session_run_with_ranks_from_python(no_leftovers: None) -> None:
         import builtins
         return getattr(builtins, "remembered", None)
 
-    with Session.start(num_processes=2, quiet=True) as session:
+    with Session.start(num_processes=2, cpu=True, quiet=True) as session:
         assert session.run(remember, (7,), ranks=[1]).values == {1: 7}
         assert session.run(recall).values == {0: None, 1: 7}
         assert session.run(recall, ranks=[1], collect="rank0").value == 7

@@ -37,7 +37,7 @@ def test_gpu_memory_is_the_ranks_own_process_as_nvml_lists_it() -> None:
 
 
 def test_a_cpu_session_lists_ranks_pids_and_host_memory() -> None:
-    session = Session.start(num_processes=2, quiet=True)
+    session = Session.start(num_processes=2, cpu=True, quiet=True)
     try:
         pids = session.run(os.getpid).values
         lines = session.status().splitlines()
@@ -66,7 +66,7 @@ def ten_ddp_steps() -> None:
 
 
 def test_status_shows_each_ranks_progress_in_the_last_call() -> None:
-    with Session.start(num_processes=2, quiet=True) as session:
+    with Session.start(num_processes=2, cpu=True, quiet=True) as session:
         session.run(ten_ddp_steps)
         lines = session.status().splitlines()
     assert lines[3] == "progress in the last call:", lines
@@ -81,7 +81,7 @@ def _gone(pids: list[int]) -> bool:
 
 
 def test_leaving_the_with_block_stops_every_worker() -> None:
-    with Session.start(num_processes=2, quiet=True) as session:
+    with Session.start(num_processes=2, cpu=True, quiet=True) as session:
         pids = list(session.run(os.getpid).values.values())
         assert sorted(p.pid for p in worker_processes()) == sorted(pids)
     assert not session.alive
@@ -90,14 +90,14 @@ def test_leaving_the_with_block_stops_every_worker() -> None:
 
 
 def test_an_exception_in_the_with_block_still_stops_the_workers() -> None:
-    with pytest.raises(KeyError), Session.start(num_processes=2, quiet=True) as session:
+    with pytest.raises(KeyError), Session.start(num_processes=2, cpu=True, quiet=True) as session:
         assert len(worker_processes()) == 2
         raise KeyError("the user's own bug")
     assert not session.alive and worker_processes() == []
 
 
 def test_a_dropped_session_stops_its_workers() -> None:
-    session = Session.start(num_processes=2, quiet=True)
+    session = Session.start(num_processes=2, cpu=True, quiet=True)
     pids = list(session.run(os.getpid).values.values())
     del session  # reassigning the notebook variable, or `del`, drops the last reference
     gc.collect()
@@ -105,7 +105,7 @@ def test_a_dropped_session_stops_its_workers() -> None:
 
 
 def test_a_stopped_session_refuses_calls_with_a_way_forward() -> None:
-    session = Session.start(num_processes=2, quiet=True)
+    session = Session.start(num_processes=2, cpu=True, quiet=True)
     session.stop()
     with pytest.raises(LaunchConfigError, match=r"This session has ended. Start a new one with Session.start\(\)"):
         session.run(os.getpid)

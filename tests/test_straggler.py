@@ -89,7 +89,7 @@ def cell(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 ])
 def test_a_delay_on_rank_1_is_named_within_10_steps(where: str, args: tuple[Any, ...], cause: str,
                                                     cell: list[str]) -> None:
-    assert launch(train, args=args, num_processes=2, quiet=True, timeout=120).values == {0: 10, 1: 10}
+    assert launch(train, args=args, num_processes=2, cpu=True, quiet=True, timeout=120).values == {0: 10, 1: 10}
     named = [text for text in cell if "holds the others back" in text]
     assert len(named) == 1, cell
     assert named[0].startswith("accelnb: rank 1 holds the others back by 0.") and cause in named[0], named[0]
@@ -98,7 +98,8 @@ def test_a_delay_on_rank_1_is_named_within_10_steps(where: str, args: tuple[Any,
 
 
 def test_200_balanced_steps_name_nobody(cell: list[str]) -> None:
-    assert launch(train, args=(200, None, None), num_processes=2, quiet=True, timeout=120).values == {0: 200, 1: 200}
+    values = launch(train, args=(200, None, None), num_processes=2, cpu=True, quiet=True, timeout=120).values
+    assert values == {0: 200, 1: 200}
     assert not [text for text in cell if "holds the others back" in text]
 
 

@@ -30,7 +30,7 @@ def scalars(run: EventAccumulator, tag: str) -> list[tuple[int, float]]:
 
 def test_rank_0_scalars_are_written_under_their_names_at_their_steps(tmp_path: Path) -> None:
     log_dir = tmp_path / "runs" / "exp1"  # created, parents included
-    result = launch(reports_kinds_of_scalars, num_processes=2, quiet=True, log_dir=log_dir)
+    result = launch(reports_kinds_of_scalars, num_processes=2, cpu=True, quiet=True, log_dir=log_dir)
     run = read_run(log_dir)
     assert sorted(run.Tags()["scalars"]) == ["flag", "loss", "np_value", "tensor_value", "val/acc"]
     assert scalars(run, "loss") == [(step, pytest.approx(1.0 / (step + 1))) for step in range(5)]
@@ -44,8 +44,9 @@ def test_rank_0_scalars_are_written_under_their_names_at_their_steps(tmp_path: P
 
 
 def test_each_launch_appends_an_event_file_and_a_report_without_step_gets_its_position(tmp_path: Path) -> None:
-    launch(reports_kinds_of_scalars, num_processes=2, quiet=True, log_dir=str(tmp_path))
-    launch(reports_kinds_of_scalars, kwargs={"with_steps": False}, num_processes=2, quiet=True, log_dir=tmp_path)
+    launch(reports_kinds_of_scalars, num_processes=2, cpu=True, quiet=True, log_dir=str(tmp_path))
+    launch(reports_kinds_of_scalars, kwargs={"with_steps": False}, num_processes=2, cpu=True, quiet=True,
+           log_dir=tmp_path)
     assert len(list(tmp_path.glob("events.out.tfevents.*"))) == 2
     run = read_run(tmp_path)
     # The second launch began at step 0 with TensorBoard's restart marker: it replaces the first's points.
@@ -54,7 +55,7 @@ def test_each_launch_appends_an_event_file_and_a_report_without_step_gets_its_po
 
 
 def test_a_restart_continues_the_curve_from_where_the_attempt_resumed(tmp_path: Path) -> None:
-    result = launch(rank_1_dies_on_the_first_attempt, num_processes=2, quiet=True, max_restarts=1,
+    result = launch(rank_1_dies_on_the_first_attempt, num_processes=2, cpu=True, quiet=True, max_restarts=1,
                     log_dir=tmp_path)
     assert [a.ending for a in result.attempts] == ["failed", "succeeded"]
     run = read_run(tmp_path)
@@ -65,7 +66,7 @@ def test_a_restart_continues_the_curve_from_where_the_attempt_resumed(tmp_path: 
 
 
 def test_a_session_run_writes_its_own_log(tmp_path: Path) -> None:
-    with Session.start(num_processes=2, quiet=True) as session:
+    with Session.start(num_processes=2, cpu=True, quiet=True) as session:
         session.run(reports_kinds_of_scalars, log_dir=tmp_path)
     assert scalars(read_run(tmp_path), "flag") == [(0, 1.0)]
 
@@ -74,10 +75,10 @@ def test_a_log_dir_that_cannot_be_written_fails_before_anything_starts(tmp_path:
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
     with pytest.raises(LaunchConfigError, match=r"log_dir='.*a-file/run' cannot be written"):
-        launch(print, num_processes=2, quiet=True, log_dir=blocker / "run")
+        launch(print, num_processes=2, cpu=True, quiet=True, log_dir=blocker / "run")
     assert worker_processes() == []
     with pytest.raises(LaunchConfigError, match="log_dir must be a directory path"):
-        launch(print, num_processes=2, quiet=True, log_dir=3)  # type: ignore[arg-type]
+        launch(print, num_processes=2, cpu=True, quiet=True, log_dir=3)  # type: ignore[arg-type]
 
 
 def test_without_tensorboard_log_dir_says_how_to_install_it_before_anything_starts(tmp_path: Path) -> None:
@@ -87,7 +88,7 @@ def test_without_tensorboard_log_dir_says_how_to_install_it_before_anything_star
         "import accelnb\n"
         "from accelnb.kernel.helper import client as helper_client\n"
         "try:\n"
-        f"    accelnb.notebook_launcher(print, num_processes=2, log_dir={str(tmp_path / 'run')!r})\n"
+        f"    accelnb.notebook_launcher(print, num_processes=2, cpu=True, log_dir={str(tmp_path / 'run')!r})\n"
         "except accelnb.LaunchConfigError as error:\n"
         "    print('refused:', error)\n"
         "print('helper started:', helper_client._shared is not None)\n"

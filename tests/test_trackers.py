@@ -40,7 +40,7 @@ def still_running(started: list[tuple[int, float, str]]) -> list[str]:
 
 
 def launch_tracked(log_with: str, tmp_path: Path, env: dict[str, str]) -> dict[int, Any]:
-    result = launch(train_with_tracker, args=(log_with, str(tmp_path / "project"), env), num_processes=2,
+    result = launch(train_with_tracker, args=(log_with, str(tmp_path / "project"), env), num_processes=2, cpu=True,
                     quiet=True, timeout=DEADLOCK_BOUND_S)
     wait_until_no_workers(GONE_BOUND_S)
     return result.values

@@ -5,7 +5,7 @@ report (pid, rendezvous port, the pid of a child process it started, as a DataLo
 private directory, then the rank under test injects its fault while the other rank carries on
 into a collective and waits there for it:
 
-    launch(fault_target, ("segfault", 1, "after", str(report_dir)), num_processes=2)
+    launch(fault_target, ("segfault", 1, "after", str(report_dir)), num_processes=2, cpu=True)
 
 *Phase*: a worker joins the process group before it runs the function, so "before the group is
 joined" here means the function faults before its first collective (``"before"``); ``"after"``

@@ -30,7 +30,7 @@ from accelnb.kernel.helper.client import shared_helper
 from faultkit import fault_target, ok_target
 print(shared_helper().pid)
 """
-NEXT_LAUNCH_CELL = "print(sorted(accelnb.launch(ok_target, num_processes=2, quiet=True).values.items()))"
+NEXT_LAUNCH_CELL = "print(sorted(accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True).values.items()))"
 
 
 def prepare(kernel: NotebookKernel) -> None:
@@ -50,7 +50,7 @@ def kernel() -> Iterator[NotebookKernel]:
 
 def launch_cell(fault: str, rank: int, phase: str, report_dir: Path) -> str:
     return (f"accelnb.launch(fault_target, ({fault!r}, {rank}, {phase!r}, {str(report_dir)!r}), "
-            "num_processes=2)")
+            "num_processes=2, cpu=True)")
 
 
 def wait_until_faulted(report_dir: Path, fault: str, rank: int) -> None:

@@ -64,7 +64,7 @@ def record_plain(fault_record: dict[str, Any], fault: str, rank: Any, error: Bas
 def test_big_return_value(rank: int, helper_pid: int, tmp_path: Path, fault_record: dict[str, Any]) -> None:
     started = time.perf_counter()
     with RunWatcher(helper_pid, tmp_path) as watcher:
-        result = accelnb.launch(big_return, (rank,), num_processes=2, quiet=True)
+        result = accelnb.launch(big_return, (rank,), num_processes=2, cpu=True, quiet=True)
     seconds = time.perf_counter() - started
     returned = time.time()
     gone = wait_gone(watcher.pids, 5.0)
@@ -86,7 +86,7 @@ def test_flood_without_final_newline(rank: int, helper_pid: int, tmp_path: Path,
     capsys.readouterr()
     started = time.perf_counter()
     with RunWatcher(helper_pid, tmp_path) as watcher:
-        result = accelnb.launch(flood, (rank,), num_processes=2, quiet=True)
+        result = accelnb.launch(flood, (rank,), num_processes=2, cpu=True, quiet=True)
     seconds = time.perf_counter() - started
     returned = time.time()
     gone = wait_gone(watcher.pids, 5.0)
@@ -130,7 +130,7 @@ def test_explicit_port_taken(address: str, mode: str, helper_pid: int, tmp_path:
         before = {p.pid for p in descendants(helper_pid)}
         error: BaseException | None = None
         try:
-            accelnb.launch(report_pid, (str(tmp_path),), num_processes=2, master_port=port, quiet=True)
+            accelnb.launch(report_pid, (str(tmp_path),), num_processes=2, cpu=True, master_port=port, quiet=True)
         except PortInUseError as raised:
             error = raised
         record_plain(fault_record, "port_taken", "-", error, label=f"port held on {address} ({mode})")
@@ -177,7 +177,7 @@ def test_auto_port_cannot_be_taken(helper_pid: int, tmp_path: Path, fault_record
     thread = threading.Thread(target=steal)
     thread.start()
     with RunWatcher(helper_pid, tmp_path) as watcher:
-        result = accelnb.launch(report_pid, (str(tmp_path),), num_processes=2, quiet=True)
+        result = accelnb.launch(report_pid, (str(tmp_path),), num_processes=2, cpu=True, quiet=True)
     thread.join()
     record_plain(fault_record, "port_auto", "-", None,
                  label="binds on 127.0.0.1 and 0.0.0.0 get EADDRINUSE")
@@ -208,7 +208,7 @@ def test_unpicklable(where: str, helper_pid: int, tmp_path: Path, fault_record: 
     before = {p.pid for p in descendants(helper_pid)}
     error: BaseException | None = None
     try:
-        accelnb.launch(num_processes=2, quiet=True, **call)
+        accelnb.launch(num_processes=2, cpu=True, quiet=True, **call)
     except UnpicklableError as raised:
         error = raised
     record_plain(fault_record, "unpicklable", "-", error, label=where)
@@ -222,4 +222,4 @@ def test_unpicklable(where: str, helper_pid: int, tmp_path: Path, fault_record: 
 
 
 def assert_next_launch_works() -> None:
-    assert accelnb.launch(ok_target, num_processes=2, quiet=True).values == {0: 2.0, 1: 2.0}
+    assert accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True).values == {0: 2.0, 1: 2.0}

@@ -78,7 +78,7 @@ def test_helper_killed_mid_run(tmp_path: Path, fault_record: dict[str, Any]) -> 
     killer = threading.Thread(target=kill_helper_once_both_ranks_run)
     killer.start()
     with pytest.raises(accelnb.AccelnbError) as raised:
-        accelnb.launch(sleeping_target, (str(tmp_path),), num_processes=2, quiet=True, timeout=60)
+        accelnb.launch(sleeping_target, (str(tmp_path),), num_processes=2, cpu=True, quiet=True, timeout=60)
     seconds_to_raise = time.monotonic() - killed_at[0]
     killer.join()
     message = str(raised.value)
@@ -91,12 +91,12 @@ def test_helper_killed_mid_run(tmp_path: Path, fault_record: dict[str, Any]) -> 
     assert seconds_to_raise < HELPER_DEATH_BOUND_S, f"the launch raised {seconds_to_raise:.2f} s after the kill"
     assert "helper" in message and "SIGKILL" in message, message
     assert gone is not None, f"workers outlived their helper: {pids}"
-    assert accelnb.launch(ok_target, num_processes=2, quiet=True).values == {0: 2.0, 1: 2.0}
+    assert accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True).values == {0: 2.0, 1: 2.0}
     assert shared_helper().pid != helper
 
 
 def test_interrupt_at_many_moments_of_start_up(fault_record: dict[str, Any]) -> None:
-    accelnb.launch(ok_target, num_processes=2, quiet=True)  # warm: the helper is running
+    accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)  # warm: the helper is running
     fds_before, shm_before = open_fds(), shm_names()
     main = threading.get_ident()
     interrupted = returned = 0
@@ -113,7 +113,7 @@ def test_interrupt_at_many_moments_of_start_up(fault_record: dict[str, Any]) -> 
         completed = False
         try:
             sender.start()
-            accelnb.launch(ok_target, num_processes=2, quiet=True)
+            accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)
             completed = True
             fired.wait()  # a Ctrl-C after the run is still delivered inside this try
             time.sleep(0)  # lets the interpreter run the pending handler here
@@ -122,7 +122,7 @@ def test_interrupt_at_many_moments_of_start_up(fault_record: dict[str, Any]) -> 
         sender.join()
         interrupted, returned = interrupted + (not completed), returned + completed
         assert worker_processes() == [] or wait_until_no_workers(GONE_BOUND_S) < GONE_BOUND_S
-        assert accelnb.launch(ok_target, num_processes=2, quiet=True).values == {0: 2.0, 1: 2.0}
+        assert accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True).values == {0: 2.0, 1: 2.0}
     leaked_fds = open_fds() - fds_before
     fault_record.update(fault="interrupt_start", rank="–", phase="-",
                         raised=f"RunInterrupted at {interrupted} of {len(INTERRUPT_OFFSETS_MS)} moments "
@@ -141,7 +141,7 @@ def test_detached_grandchild_is_gone_with_its_rank(then: str, tmp_path: Path,
                                                     fault_record: dict[str, Any]) -> None:
     error: BaseException | None = None
     try:
-        accelnb.launch(detached_child_target, (str(tmp_path), then), num_processes=2, quiet=True)
+        accelnb.launch(detached_child_target, (str(tmp_path), then), num_processes=2, cpu=True, quiet=True)
     except accelnb.RankFailed as failed:
         error = failed
     ended = time.time()

@@ -90,7 +90,7 @@ def run_case(function: Any, args: tuple[Any, ...], report_dir: Path, helper_pid:
     started = time.time()
     with RunWatcher(helper_pid, report_dir, on_report=on_report) as watcher:
         try:
-            accelnb.launch(function, args, num_processes=2, **launch_kwargs)
+            accelnb.launch(function, args, num_processes=2, cpu=True, **launch_kwargs)
         except (LaunchFailed, KeyboardInterrupt) as raised:
             error = raised
     returned = time.time()
@@ -120,7 +120,7 @@ def assert_nothing_left(outcome: Outcome, helper_pid: int, bound: float) -> None
 
 
 def assert_next_launch_works() -> None:
-    result = accelnb.launch(ok_target, num_processes=2, quiet=True)
+    result = accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)
     assert result.values == {0: 2.0, 1: 2.0}
 
 

@@ -66,7 +66,7 @@ def _failures(functions: list, repeats: int, num_processes: int) -> list[str]:
     for repeat in range(repeats):
         for function in functions:
             try:
-                accelnb.launch(function, num_processes=num_processes, quiet=True, output="none")
+                accelnb.launch(function, num_processes=num_processes, cpu=True, quiet=True, output="none")
             except accelnb.LaunchFailed as failed:
                 failures.append(f"{repeat}, {function.__name__}: {str(failed).splitlines()[0]}")
     return failures
@@ -74,7 +74,7 @@ def _failures(functions: list, repeats: int, num_processes: int) -> list[str]:
 
 @pytest.mark.slow
 def test_back_to_back_accelerate_launches_never_lose_a_rank_in_set_up(busy_cpus: None) -> None:
-    failures = _failures([report_only, with_accelerate], PAIRS, num_processes=2)
+    failures = _failures([report_only, with_accelerate], PAIRS, num_processes=2, cpu=True)
     assert not failures, f"{len(failures)} of {2 * PAIRS} launches failed:\n" + "\n".join(failures[:5])
 
 

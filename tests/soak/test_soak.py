@@ -41,14 +41,14 @@ def chatty():
 def soak_launch(i, base):
     kind = KINDS[i % len(KINDS)]
     if kind == "ok":
-        assert accelnb.launch(ok_target, num_processes=2, quiet=True).values == {0: 2.0, 1: 2.0}
+        assert accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True).values == {0: 2.0, 1: 2.0}
     elif kind == "chatty":
-        assert accelnb.notebook_launcher(chatty, num_processes=2, output="all", quiet=True) == 2.0
+        assert accelnb.notebook_launcher(chatty, num_processes=2, cpu=True, output="all", quiet=True) == 2.0
     else:
         report_dir = os.path.join(base, str(i))
         os.mkdir(report_dir)
         accelnb.launch(fault_target, (kind, i % 2, "after" if i % 4 < 2 else "before", report_dir),
-                       num_processes=2, quiet=True, timeout=0.5 if kind == "hang_python" else None)
+                       num_processes=2, cpu=True, quiet=True, timeout=0.5 if kind == "hang_python" else None)
 """
 # 50 launches: 30 successes, 20 failures of every kind; then it repeats.
 KINDS = (["ok", "chatty", "exception", "ok", "os_exit", "ok", "segfault", "ok", "sys_exit", "ok"] * 4
