@@ -355,6 +355,7 @@ def test_a_stopped_cell_shows_one_short_line_in_ipython(capsys: pytest.CaptureFi
     from IPython.core.interactiveshell import InteractiveShell
 
     shell = InteractiveShell.instance()
+    shared_helper()  # warm and in step: the step numbers below are a launch's, not a template's start
     shell.user_ns["run_like_launch"] = run_like_launch
     shell.user_ns["payload"] = pack_call(ok, (), {})
     shell.user_ns["interrupt"] = InterruptAt(12)
