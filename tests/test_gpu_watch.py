@@ -88,3 +88,13 @@ def test_a_busy_gpu_with_no_process_listed_is_busy_by_its_utilisation() -> None:
     rows = gpu_rows(inventory, UtilizationHistory(), ours=set(), selected=[0, 1], now=0.0)
     assert rows[0]["busy"] == "busy: 97% utilised by a process not visible here"
     assert rows[1]["busy"] == ""
+
+
+def test_this_kernels_ranks_are_named_by_rank(other_process: int) -> None:
+    inventory = synthetic_inventory(1)
+    inventory = replace(inventory, gpus=(replace(inventory.gpus[0], processes=(
+        GpuProcess(os.getpid(), 2**30), GpuProcess(other_process, 2**30))),))
+    rows = gpu_rows(inventory, UtilizationHistory(), ours={os.getpid()}, selected=None, now=0.0,
+                    known={os.getpid(): "rank 0"})
+    assert [(p["name"], p["ours"]) for p in rows[0]["processes"]] == [
+        ("rank 0", True), (os.path.basename(sys.executable), False)]

@@ -23,7 +23,7 @@ import os
 import pwd
 import threading
 from collections import deque
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,18 +136,20 @@ def kernel_pids() -> set[int]:
 
 
 def gpu_rows(inventory: Inventory, history: UtilizationHistory, ours: Collection[int],
-             selected: Sequence[int] | None, now: float) -> list[dict[str, Any]]:
+             selected: Sequence[int] | None, now: float,
+             known: Mapping[int, str] | None = None) -> list[dict[str, Any]]:
     """The panel's GPU rows: the inventory's fields, ``history``, named ``processes`` and ``busy``.
 
     ``ours``: the pids of this kernel and its ranks; their processes are marked ``ours`` and make
-    no GPU busy. ``busy`` is "" or why a *selected* GPU is taken by someone else (the panel marks
-    it before the launch). Plain JSON types.
+    no GPU busy. ``known``: names for some pids ("rank 1"), before what ``/proc`` says. ``busy``
+    is "" or why a *selected* GPU is taken by someone else (the panel marks it before the
+    launch). Plain JSON types.
     """
     chosen = set(selected or ())
     rows = []
     for gpu in inventory.gpus:
         row = dataclasses.asdict(gpu)
-        processes = [_process_row(process, ours) for process in gpu.processes]
+        processes = [_process_row(process, ours, known or {}) for process in gpu.processes]
         row["processes"] = processes
         row["history"] = history.series(gpu.index, now)
         row["busy"] = _busy(gpu, processes) if gpu.index in chosen else ""
@@ -155,10 +157,10 @@ def gpu_rows(inventory: Inventory, history: UtilizationHistory, ours: Collection
     return rows
 
 
-def _process_row(process: GpuProcess, ours: Collection[int]) -> dict[str, Any]:
+def _process_row(process: GpuProcess, ours: Collection[int], known: Mapping[int, str]) -> dict[str, Any]:
     named = name_process(process.pid)
-    return {"pid": process.pid, "memory_used": process.memory_used, "name": named.name, "user": named.user,
-            "ours": process.pid in ours}
+    return {"pid": process.pid, "memory_used": process.memory_used, "name": known.get(process.pid) or named.name,
+            "user": named.user, "ours": process.pid in ours}
 
 
 def _busy(gpu: GpuInfo, processes: list[dict[str, Any]]) -> str:

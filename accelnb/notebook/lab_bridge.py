@@ -54,7 +54,8 @@ and ``sweep`` says which trial each GPU runs (a trial's ``gpus`` while its ``sta
 
 A rank's ``figures`` are absent until its first step. GPU rows are made by
 :func:`accelnb.notebook.gpu_watch.gpu_rows`: processes named from ``/proc``, this kernel's own
-(its ranks) marked ``ours``, and ``busy`` set only for a selected GPU.
+(its ranks) marked ``ours`` and the run's ranks named "rank N", and ``busy`` set only for a
+selected GPU.
 
 Each open comm is one panel with its own subscriptions; closing the comm ends them. The
 inventory is read when a panel connects, on ``refresh``, when a run finishes and, while the
@@ -371,11 +372,12 @@ def state_message(
     """The ``state`` message for this inventory, selection, run and sweep (plain JSON types)."""
     chosen = chosen or selection.Selection()
     held = any(gpu.processes for gpu in inventory.gpus)  # whose processes they are, only if there are any
+    ranks = {rank.pid: f"rank {rank.rank}" for rank in run.ranks if rank.pid is not None} if run else {}
     return {
         "type": "state",
         "inventory": {
             "gpus": gpu_rows(inventory, history or UtilizationHistory(), kernel_pids() if held else set(),
-                             chosen.gpus, time.monotonic()),
+                             chosen.gpus, time.monotonic(), ranks),
             "synthetic": inventory.synthetic,
             "source": inventory.source,
             "note": inventory.note,

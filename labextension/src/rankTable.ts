@@ -55,13 +55,16 @@ function rate(stepsPerS: number | null): string {
   return stepsPerS >= 1 ? stepsPerS.toFixed(1) : stepsPerS.toFixed(2);
 }
 
-/** Its GPU's utilisation and memory, two thin bars one above the other. */
+/** Its GPU's utilisation and memory, two thin bars one above the other; none for a CPU rank. */
 function gpuBars(rank: number, figures: IRankFigures | undefined): HTMLElement {
   const bars = el('div', 'accelnb-GpuPanel-rankBars');
   const util = figures?.gpu_utilization ?? null;
   const used = figures?.gpu_memory_used ?? null;
   const total = figures?.gpu_memory_total ?? null;
   const memory = used !== null && total ? (100 * used) / total : null;
+  if (util === null && memory === null) {
+    return bars; // no GPU reading (yet): empty bars would read as an idle GPU
+  }
   bars.append(
     bar('util', util, `rank ${rank}'s GPU utilisation: ${util === null ? '–' : `${util}%`}`),
     bar('mem', memory, `rank ${rank}'s GPU memory: ${memory === null ? '–' : `${memory.toFixed(0)}%`}`)

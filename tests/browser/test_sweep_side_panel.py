@@ -45,6 +45,7 @@ def test_the_panel_names_the_trial_each_gpu_runs(page: Page, lab_server: LabServ
         expect(panel.locator('.accelnb-GpuPanel-trials tr[data-trial="2"]')).to_contain_text("queued")
         expect(panel.locator(".accelnb-GpuPanel-sweep")).to_contain_text("Sweep: 2 running, 1 queued")
         expect(lab.output(1)).to_contain_text("accelnb sweep")  # the cell's table, live
+        expect(panel.locator(".accelnb-GpuPanel-run .accelnb-GpuPanel-runTitle")).to_have_text("Run in progress")
         assert_panel_fits(page)  # the trials' configs are cut to the panel, not the panel widened
         save_picture(page, PICTURES / "sweep-table.png", panel, lab.cell(1))
     finally:
