@@ -67,12 +67,10 @@ export function sparkline(points: [number, number][], spanS: number, label: stri
   const title = document.createElementNS(SVG_NS, 'title');
   title.textContent = label;
   svg.appendChild(title);
-  if (points.length === 0) {
-    return svg;
+  if (points.length < 2) {
+    return svg; // an empty track: one reading is no history yet (it drew as a stray dot)
   }
-  const xy = points.map(([ago, percent]) => `${(spanS - ago).toFixed(1)},${(100 - percent).toFixed(1)}`);
-  // One reading is a flat line from its time to now.
-  const line = points.length === 1 ? [...xy, `${spanS},${xy[0].split(',')[1]}`] : xy;
+  const line = points.map(([ago, percent]) => `${(spanS - ago).toFixed(1)},${(100 - percent).toFixed(1)}`);
   const first = line[0].split(',')[0];
   const last = line[line.length - 1].split(',')[0];
   const area = document.createElementNS(SVG_NS, 'polygon');
