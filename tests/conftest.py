@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import pytest
 
-from accelnb.kernel.helper.client import running_helper_pid
+from accelnb.kernel.helper.template import running_helper_pid
 
 if TYPE_CHECKING:
     from jupyter_client.blocking.client import BlockingKernelClient

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import accelnb
-from accelnb.kernel.helper.client import running_helper_pid
+from accelnb.kernel.helper.template import running_helper_pid
 from accelnb.kernel.run import run_state
 from accelnb.wire.channel import INLINE_LIMIT_BYTES
 from tests.conftest import InterruptWhenRunning, run_notebook, stream_text, worker_processes

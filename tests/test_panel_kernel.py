@@ -36,7 +36,7 @@ from accelnb import notebook_launcher
 from accelnb.kernel.planning.inventory import set_inventory_source, synthetic_inventory
 from accelnb.notebook.kernel_messages import comm_messages_supported
 from accelnb.notebook.panel import Panel
-from accelnb.kernel.helper.client import shared_helper
+from accelnb.kernel.helper.template import shared_helper
 
 _reads = itertools.count()
 def _moving_memory():  # every read shows different memory use, so every refresh sends an update

@@ -21,7 +21,7 @@ __all__ = ["kernel"]  # the module-scoped kernel fixture, shared with the Stop b
 SETUP = """
 import json
 from accelnb import launch
-from accelnb.kernel.helper.client import shared_helper
+from accelnb.kernel.helper.template import shared_helper
 from accelnb.notebook.panel import Panel
 panel = Panel(refresh_interval=None)
 display(panel)

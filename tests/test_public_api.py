@@ -74,7 +74,7 @@ def test_import_starts_nothing() -> None:
     code = ("import sys, threading, accelnb; "
             "loaded_by_import = [m for m in sys.modules if m.startswith('accelnb.')]; "
             f"[getattr(accelnb, name) for name in accelnb.__all__ if name not in {LIBRARY_CLASSES}]; "
-            "import accelnb.kernel.helper.client as helper; "
+            "import accelnb.kernel.helper.template as helper; "
             "print(len(loaded_by_import), threading.active_count(), 'torch' in sys.modules, "
             "'pynvml' in sys.modules, helper.running_helper_pid() is None)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -29,7 +29,7 @@ import psutil
 import pytest
 
 import accelnb
-from accelnb.kernel.helper import client as helper_client
+from accelnb.kernel.helper import template as helper_template
 from accelnb.wire.buffers import dump
 from accelnb.wire.channel import MessageReader, encode, send_frame
 from accelnb.wire.events import CallError, CallResult, MetricBatch, RunCall, Shutdown
@@ -173,7 +173,7 @@ DETACH_CASES = [
 
 @pytest.mark.parametrize(("how", "start"), DETACH_CASES)
 def test_a_detached_process_is_gone_when_its_rank_ends(how: str, start: str, tmp_path: Path) -> None:
-    helper_pid = helper_client.shared_helper().pid
+    helper_pid = helper_template.shared_helper().pid
     killer = kill_rank_1_once_it_reported(str(tmp_path)) if how == "sigkill" else None
     error: BaseException | None = None
     try:

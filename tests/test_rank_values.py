@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 import accelnb
-from accelnb.kernel.helper.client import shared_helper
+from accelnb.kernel.helper.template import shared_helper
 from accelnb.wire.channel import MessageReader
 from accelnb.wire.events import CallError
 from accelnb.wire.result_pickling import loads_in_kernel

@@ -33,7 +33,7 @@ import psutil
 import pytest
 
 import accelnb
-from accelnb.kernel.helper import client as helper_client
+from accelnb.kernel.helper import template as helper_template
 
 sys.path.insert(0, str(Path(__file__).parent / "faults"))
 from faultkit import descendants, report, wait_for_report
@@ -82,7 +82,7 @@ def during_a_run(report_dir: Path, look: Callable[[list[int]], None]) -> accelnb
 
 
 def our_processes(worker_pids: list[int]) -> list[int]:
-    helper = helper_client.shared_helper().pid
+    helper = helper_template.shared_helper().pid
     return sorted({os.getpid(), helper, *worker_pids, *(p.pid for p in descendants(helper))})
 
 
@@ -141,7 +141,7 @@ def test_pickle_channels_cannot_be_reached(tmp_path: Path) -> None:
                             for pid in worker_pids}
 
     during_a_run(tmp_path, look)
-    helper = helper_client.shared_helper().pid
+    helper = helper_template.shared_helper().pid
     assert found["unix"][helper], "the helper's control socketpair was not seen"
     for pid, sockets in found["unix"].items():
         for flags, path in sockets:

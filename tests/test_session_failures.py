@@ -26,7 +26,7 @@ import pytest
 
 from accelnb import LaunchTimeout, RankCrashed, RankFailed
 from accelnb.errors import HelperDied, RunInterrupted
-from accelnb.kernel.helper.client import running_helper_pid
+from accelnb.kernel.helper.template import running_helper_pid
 from accelnb.kernel.run import run_state
 from accelnb.session import Session
 

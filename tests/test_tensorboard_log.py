@@ -86,12 +86,12 @@ def test_without_tensorboard_log_dir_says_how_to_install_it_before_anything_star
     code = (
         "import sys; sys.modules['tensorboard'] = None\n"
         "import accelnb\n"
-        "from accelnb.kernel.helper import client as helper_client\n"
+        "from accelnb.kernel.helper import template as helper_template\n"
         "try:\n"
         f"    accelnb.notebook_launcher(print, num_processes=2, cpu=True, log_dir={str(tmp_path / 'run')!r})\n"
         "except accelnb.LaunchConfigError as error:\n"
         "    print('refused:', error)\n"
-        "print('helper started:', helper_client._shared is not None)\n"
+        "print('helper started:', helper_template.running_helper_pid() is not None)\n"
     )
     shown = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            cwd=Path(__file__).resolve().parent.parent).stdout

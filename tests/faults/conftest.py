@@ -29,7 +29,7 @@ _record: dict[str, dict[str, Any]] = {}
 def helper_pid() -> int:
     """The kernel's helper process, started before the test (its start is not part of any
     measurement). Per test: the own-fault tests kill it, and the next test gets a fresh one."""
-    from accelnb.kernel.helper.client import shared_helper
+    from accelnb.kernel.helper.template import shared_helper
 
     return shared_helper().pid
 

@@ -26,7 +26,7 @@ KERNEL_DEATH_BOUND_S = 5.0
 
 SETUP_CELL = """
 import accelnb
-from accelnb.kernel.helper.client import shared_helper
+from accelnb.kernel.helper.template import shared_helper
 from faultkit import fault_target, ok_target
 print(shared_helper().pid)
 """

@@ -26,7 +26,7 @@ import pytest
 from faultkit import ok_target, read_report, report, wait_for_report, wait_gone
 
 import accelnb
-from accelnb.kernel.helper.client import shared_helper
+from accelnb.kernel.helper.template import shared_helper
 from tests.conftest import wait_until_no_workers, worker_processes
 
 HELPER_DEATH_BOUND_S = 2.0

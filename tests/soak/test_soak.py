@@ -84,9 +84,9 @@ def settle(kernel: NotebookKernel) -> Usage:
 def test_500_launches_leak_nothing(tmp_path: Path) -> None:
     kernel = NotebookKernel.start()
     try:
-        kernel.value(SETUP_CELL + f"\nKINDS = {KINDS!r}\nprint(accelnb.kernel.helper.client.shared_helper().pid)")
+        kernel.value(SETUP_CELL + f"\nKINDS = {KINDS!r}\nprint(accelnb.kernel.helper.template.shared_helper().pid)")
         misreported: list[str] = []
-        helper_pid = int(kernel.value("print(accelnb.kernel.helper.client.shared_helper().pid)"))
+        helper_pid = int(kernel.value("print(accelnb.kernel.helper.template.shared_helper().pid)"))
 
         def launch(i: int) -> None:
             cell = kernel.run(f"soak_launch({i}, {str(tmp_path)!r})", timeout=60)

@@ -9,7 +9,8 @@ order the kernel imported them, so that a rank forked from it finds them loaded,
   import (``this`` prints, ``antigravity`` opens a browser, ``readline`` takes the terminal);
 - private top-level names (``_pytest``, C extension internals their public parents import), and
   modules that exist only in the kernel's memory (no ``__spec__`` origin a process could load);
-- what an earlier template found unsafe (it started a thread or CUDA on import).
+- the packages an earlier template found unsafe (one of their modules started a thread or CUDA on
+  import): the whole package, so that one replacement is enough per package.
 
 A template is stale when an import it made could differ from what the kernel would import now
 (:class:`Freshness`): a package was installed, upgraded or removed (a ``site-packages`` folder on
@@ -57,7 +58,7 @@ def modules_to_follow(considered: set[str], unsafe: Collection[str] = ()) -> lis
         return []
     considered.update(new)
     return [name for name, module in list(sys.modules.items())
-            if name in new and name not in unsafe and _followable(name, module)]
+            if name in new and name.split(".", 1)[0] not in unsafe and _followable(name, module)]
 
 
 def _followable(name: str, module: object) -> bool:

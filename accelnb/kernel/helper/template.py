@@ -43,10 +43,10 @@ TEMPLATE_VARIABLE = "ACCELNB_TEMPLATE"
 _current: WorkerHelper | None = None
 _freshness = Freshness()  # what the current template's imports depended on
 _retired: list[WorkerHelper] = []  # replaced while ranks of theirs ran
-_unsafe_modules: set[str] = set()  # imports that made a template unfit to fork
+_unsafe_modules: set[str] = set()  # packages whose import made a template unfit to fork
 _lock = threading.Lock()
 _exit_hook_registered = False
-MAX_UNSAFE_TEMPLATES = 4  # each try leaves out one more module; a loop past this is a bug of ours
+MAX_UNSAFE_TEMPLATES = 8  # each try leaves out one more package; a loop past this is a bug of ours
 
 
 def shared_helper(wait: bool = True, on_step: StepHook | None = None) -> WorkerHelper:
@@ -68,7 +68,7 @@ def shared_helper(wait: bool = True, on_step: StepHook | None = None) -> WorkerH
             _follow(helper, wait=True)
         except TemplateUnsafe as unsafe:  # the next template leaves that module out
             with _lock:
-                _unsafe_modules.add(unsafe.module)
+                _unsafe_modules.add(unsafe.module.split(".", 1)[0])
                 _replace(helper)
             continue
         except HelperDied:
@@ -100,7 +100,7 @@ def follow_in_background() -> None:
             helper.collect()  # worker exits, and an "unsafe" it may have sent
             if helper.unsafe is not None:
                 with _lock:
-                    _unsafe_modules.add(helper.unsafe.module)
+                    _unsafe_modules.add(helper.unsafe.module.split(".", 1)[0])
                     _replace(helper)
                     helper = _current_template()
         _follow(helper, wait=False)
@@ -117,6 +117,11 @@ def prewarm() -> None:
     """Start the template now, so that the first launch does not wait for ``import torch``."""
     shared_helper(wait=False)
     follow_in_background()
+
+
+def unsafe_packages() -> frozenset[str]:
+    """The packages this process's templates leave to the ranks (their import started a thread or CUDA)."""
+    return frozenset(_unsafe_modules)
 
 
 def running_helper_pid() -> int | None:
@@ -146,8 +151,8 @@ def _follow(helper: WorkerHelper, *, wait: bool) -> None:
     if names or (wait and helper.unanswered):
         helper.follow(names, wait=wait)
     if first:  # after the kernel's own: what training touches first, which no launch waits for
-        helper.follow([name for name in TRAINING_PREIMPORTS if name not in _unsafe_modules], wait=False,
-                      optional=True)
+        training = [name for name in TRAINING_PREIMPORTS if name.split(".", 1)[0] not in _unsafe_modules]
+        helper.follow(training, wait=False, optional=True)
 
 
 def _current_template() -> WorkerHelper:
