@@ -24,8 +24,8 @@ import pytest
 
 import accelnb
 from accelnb.errors import HelperDied, RankFailed, RunInterrupted
-from accelnb.kernel.helper.template import running_helper_pid, shared_helper, shutdown_helper
 from accelnb.kernel.helper.payload import pack_call
+from accelnb.kernel.helper.template import running_helper_pid, shared_helper, shutdown_helper
 from accelnb.kernel.planning import rank_plan
 from accelnb.kernel.planning.inventory import Inventory
 from accelnb.kernel.run import run_state
