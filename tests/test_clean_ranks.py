@@ -66,7 +66,10 @@ WAYS_IN = {
     "sweep": "trials = accelnb.sweep(facts, [1, 2], num_processes=1, cpu=True)\n"
              "print(json.dumps([trial.value for trial in trials]))",
     "spawn": "print(json.dumps(accelnb.spawn(facts, nprocs=2, cpu=True)))",
-    "after the template was killed": "import psutil\npsutil.Process(running_helper_pid()).kill()\n"
+    # Killed, then launched once it is gone (its socket closed), as a user's kill of it would be:
+    # a launch in the same millisecond may still find it dying and raise HelperDied.
+    "after the template was killed": "import psutil\nkilled = psutil.Process(running_helper_pid())\nkilled.kill()\n"
+                                     "psutil.wait_procs([killed], timeout=10)\n"
                                      "print(json.dumps([accelnb.notebook_launcher(facts, num_processes=2, cpu=True)]))",
     "pytorch/examples style": "print(json.dumps([accelnb.notebook_launcher(ddp_series_train, (2,), num_processes=2, "
                               "cpu=True)]))",
