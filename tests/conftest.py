@@ -27,6 +27,12 @@ if TYPE_CHECKING:
 # jsonschema, whose format checker builds a grammar at import: about 10 s on each rank of every
 # such launch, which once made `make test` take 21 minutes instead of 12.
 
+# The suite's own process imports some 4,400 modules (every library some test touches): a template
+# following them takes ~15 s each time a test replaces it (there are dozens: helpers killed, files
+# changed). So the suite's templates are bare (torch only, each rank imports what it uses), in
+# this process and in the kernels it starts; the tests of following itself (test_template.py,
+# test_clean_ranks.py) turn it on, as it is for users.
+os.environ.setdefault("ACCELNB_TEMPLATE", "bare")
 REPO = Path(__file__).resolve().parents[1]
 
 # The interrupt tests press Ctrl-C by sending SIGINT to this process, as Jupyter's stop button

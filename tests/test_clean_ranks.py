@@ -74,11 +74,12 @@ WAYS_IN = {
     "pytorch/examples style": "print(json.dumps([accelnb.notebook_launcher(ddp_series_train, (2,), num_processes=2, "
                               "cpu=True)]))",
 }
+FOLLOWING = {"ACCELNB_TEMPLATE": "on"}  # as for users (the suite's own kernels have bare templates: conftest)
 NOISE = ("from fork", "--- Logging error ---", "<IPython.core.display", "Widget(")
 
 
 def test_every_way_in_gives_ranks_that_never_were_the_kernel() -> None:
-    outputs = run_notebook([FIRST_CELL, *WAYS_IN.values()], timeout=300)
+    outputs = run_notebook([FIRST_CELL, *WAYS_IN.values()], timeout=300, env=FOLLOWING)
     for name, cell in zip(["first cell", *WAYS_IN], outputs, strict=True):
         shown = stream_text(cell) + stream_text(cell, "stderr")
         assert error_of(cell) is None, (name, error_of(cell), shown)
@@ -126,7 +127,7 @@ print(accelnb.notebook_launcher(train_with_the_trainer, (folder, folder + "/out"
 def test_the_hf_trainer_in_a_notebook_that_imported_transformers_draws_text_progress() -> None:
     """transformers picks its notebook progress callback at import in the kernel; the ranks, which
     imported it in the template, pick the console one, and nothing of the widget reaches the cell."""
-    outputs = run_notebook([TRAINER_FIRST_CELL, TRAINER_CELL], timeout=300)
+    outputs = run_notebook([TRAINER_FIRST_CELL, TRAINER_CELL], timeout=300, env=FOLLOWING)
     shown = stream_text(outputs[1]) + stream_text(outputs[1], "stderr")
     assert error_of(outputs[1]) is None, shown
     assert "(4, [" in shown and "ProgressCallback" in shown and "NotebookProgressCallback" not in shown, shown

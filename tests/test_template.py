@@ -27,7 +27,13 @@ import accelnb
 from accelnb.kernel.helper import template
 from accelnb.kernel.helper.template import running_helper_pid, shared_helper
 
-pytestmark = pytest.mark.usefixtures("no_leftovers")
+pytestmark = pytest.mark.usefixtures("no_leftovers", "following")
+
+
+@pytest.fixture
+def following(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Templates follow this process's imports, as they do for users (the suite's are bare: conftest)."""
+    monkeypatch.setenv("ACCELNB_TEMPLATE", "on")
 
 
 @pytest.fixture
@@ -244,3 +250,14 @@ def test_the_template_killed_while_it_imports_is_replaced_within_the_launch(proj
     watcher.join()
     assert killed and {v["parent"] for v in found.values()} == {running_helper_pid()} != {killed[0]}
     assert [v["loaded"]["slow_then_killed"] for v in found.values()] == [True, True]
+
+
+def test_a_bare_template_leaves_the_kernels_modules_to_the_ranks(project: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    write_module(project, "not_followed", "VERSION = 'bare'\n")
+    import not_followed  # noqa: F401
+
+    monkeypatch.setenv("ACCELNB_TEMPLATE", "bare")
+    values = run_ranks(what_the_rank_found, ["not_followed"])
+    assert [v["loaded"]["not_followed"] for v in values.values()] == [False, False]
+    assert run_ranks(version_of, "not_followed") == {0: "bare", 1: "bare"}  # each rank imports it

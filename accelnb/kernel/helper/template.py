@@ -37,7 +37,9 @@ from accelnb.kernel.helper.kernel_imports import Freshness, modules_to_follow
 from accelnb.wire.template import TRAINING_PREIMPORTS
 
 # "off" (or "0", "no"): no template is started nor fed in the background; a launch still starts
-# one and has it import what the kernel has, then waits for it.
+# one and has it import what the kernel has, then waits for it. "bare": templates import only what
+# every rank needs to start (torch), never the kernel's modules, which each rank imports itself:
+# for a process whose thousands of modules the ranks do not need (a test runner's).
 TEMPLATE_VARIABLE = "ACCELNB_TEMPLATE"
 
 _current: WorkerHelper | None = None
@@ -110,7 +112,11 @@ def follow_in_background() -> None:
 
 def background_warming() -> bool:
     """Whether templates start and follow the kernel on their own (``ACCELNB_TEMPLATE``)."""
-    return os.environ.get(TEMPLATE_VARIABLE, "on").strip().lower() not in ("off", "0", "no", "false")
+    return _template_setting() not in ("off", "0", "no", "false")
+
+
+def _template_setting() -> str:
+    return os.environ.get(TEMPLATE_VARIABLE, "on").strip().lower()
 
 
 def prewarm() -> None:
@@ -142,6 +148,8 @@ def shutdown_helper() -> None:
 
 
 def _follow(helper: WorkerHelper, *, wait: bool) -> None:
+    if _template_setting() == "bare":
+        return
     with _lock:
         first = not helper.considered
         names = modules_to_follow(helper.considered, _unsafe_modules)
