@@ -10,12 +10,12 @@ Cases (medians of ``--repeats`` runs, after one warm-up launch that starts accel
     The floor: ``X.clone()`` of the same bytes (a fresh allocation, like a received copy).
 ``accelnb-in``
     ``notebook_launcher(first_element, args=(X,))``: the whole call, helper warm; every rank
-    reads one element. Also the same call with no argument, for the launch's own share. Where
-    the payload is big enough (``kernel/helper/payload_delivery.py``), the ranks inherit it from a
-    helper forked for the launch.
+    reads one element. Also the same call with no argument, for the launch's own share. The
+    tensor is copied once into a memfd that every rank maps (since issue 33 no launch forks the
+    kernel to hand it down).
 ``accelnb-in-memfd``
-    The same, with forks ruled out (``ACCELNB_HELPER_START=spawn``): the tensor is copied once
-    into a memfd that every rank maps, as it is for a session's calls or a kernel using CUDA.
+    The same call (it was the way with forks ruled out, before issue 33; kept so that the table's
+    columns compare with earlier runs).
 ``accelerate-in``
     Accelerate's ``notebook_launcher`` with the same function as a closure argument: it forks
     this process, so the ranks see ``X`` for free. The function joins and leaves a gloo group, as
@@ -128,8 +128,6 @@ def run_case(case: str, size_mib: int, ranks: int, repeats: int) -> dict[str, An
         x = torch.ones(numel)
         out["times"] = [timed(lambda: x.clone()) for _ in range(repeats)]
     elif case in ("accelnb-in", "accelnb-in-memfd"):
-        if case == "accelnb-in-memfd":
-            os.environ["ACCELNB_HELPER_START"] = "spawn"
         import accelnb
 
         accelnb.notebook_launcher(first_element, num_processes=ranks, quiet=True)  # warm helper

@@ -268,7 +268,7 @@ print(json.dumps({"ranks": {str(rank): value for rank, value in result.values.it
 
 
 def test_a_rank_loads_no_kernel_or_notebook_code(tmp_path: Path) -> None:
-    """Real ranks forked by a spawned helper, from a plain script: nothing of the kernel's side
+    """Real ranks forked by a template that follows a plain script's imports: nothing of the kernel's side
     is in their ``sys.modules`` (the caller's side did load it, so the test can tell)."""
     import json
     import os
@@ -277,7 +277,7 @@ def test_a_rank_loads_no_kernel_or_notebook_code(tmp_path: Path) -> None:
 
     script = tmp_path / "launch.py"
     script.write_text(RANK_MODULES_SCRIPT)
-    env = {**os.environ, "ACCELNB_HELPER_START": "spawn",
+    env = {**os.environ, "ACCELNB_TEMPLATE": "on",  # the template follows the script, less accelnb itself
            "PYTHONPATH": os.pathsep.join(p for p in (str(PACKAGE.parent), os.environ.get("PYTHONPATH")) if p)}
     done = subprocess.run([sys.executable, str(script), *KERNEL_SIDE], capture_output=True, text=True, env=env,
                           cwd=str(tmp_path), timeout=180)
