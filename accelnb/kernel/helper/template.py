@@ -70,7 +70,7 @@ def shared_helper(wait: bool = True, on_step: StepHook | None = None) -> WorkerH
             _follow(helper, wait=True)
         except TemplateUnsafe as unsafe:  # the next template leaves that module out
             with _lock:
-                _unsafe_modules.add(unsafe.module.split(".", 1)[0])
+                _leave_out(unsafe)
                 _replace(helper)
             continue
         except HelperDied:
@@ -97,14 +97,7 @@ def follow_in_background() -> None:
         return
     try:
         with _lock:
-            helper = _current_template()
-        if helper.poll_ready():
-            helper.collect()  # worker exits, and an "unsafe" it may have sent
-            if helper.unsafe is not None:
-                with _lock:
-                    _unsafe_modules.add(helper.unsafe.module.split(".", 1)[0])
-                    _replace(helper)
-                    helper = _current_template()
+            helper = _current_template()  # replaced first if it died, went stale or unsafe
         _follow(helper, wait=False)
     except Exception:  # a cell's end is no place for accelnb's errors
         return
@@ -168,6 +161,8 @@ def _current_template() -> WorkerHelper:
     global _current, _freshness, _exit_hook_registered
     if _current is not None and _current.poll_ready():
         _current.collect()  # notices its death (its socket closed) and an "unsafe" it sent
+    if _current is not None and _current.unsafe is not None:
+        _leave_out(_current.unsafe)
     if _current is not None and (not _current.alive or _current.unsafe is not None or _freshness.stale_because()):
         _replace(_current)
     _close_retired_without_ranks()
@@ -178,6 +173,11 @@ def _current_template() -> WorkerHelper:
         _current = WorkerHelper()
         _freshness = Freshness.now()
     return _current
+
+
+def _leave_out(unsafe: TemplateUnsafe) -> None:
+    """No later template imports the package whose import made one unsafe (hold ``_lock``)."""
+    _unsafe_modules.add(unsafe.module.split(".", 1)[0])
 
 
 def _replace(helper: WorkerHelper) -> None:
