@@ -56,6 +56,11 @@ def train_until_stopped(checkpoints: str, steps: int = 1_000_000, ignore_stop: b
 
     import accelnb
 
+    # Checked once before the set-up, as a loop `while not accelnb.stop_requested()` would: accelnb
+    # then knows this code answers Stop, so a Stop (or timeout=) during the set-up is a request
+    # answered at the first step, not a kill. DDP's set-up imports torch._dynamo, which takes
+    # seconds on a busy machine (a timeout=3 once passed inside it).
+    accelnb.stop_requested()
     rank, model, optimizer = _ddp_model()
     path = Path(checkpoints) / "checkpoint.pt"
     start = _resume(path, model, optimizer)

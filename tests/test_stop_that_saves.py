@@ -298,6 +298,8 @@ def _run_pressing(manager: Any, client: Any, code: str, press_when: str,
             if not pressed and press_when in text["stdout"]:
                 pressed = True
                 (press or manager.interrupt_kernel)()
+        elif message["msg_type"] == "error":  # what the cell raised, for the assertion's message
+            text["stderr"] += "\n".join(message["content"]["traceback"][-3:])
         elif message["msg_type"] == "status" and message["content"]["execution_state"] == "idle":
             break
     try:
