@@ -1,10 +1,12 @@
 """Lightning, Fabric, Accelerate's ``notebook_launcher`` and ``mp.spawn`` inside an accelnb launch
-run on accelnb's ranks (``worker/other_launchers/plain_process.py`` and ``launches_inside.py``).
+run on accelnb's ranks (``worker/other_launchers/launches_inside.py``; the ranks are born clean
+from the template, never forks of the kernel: ``kernel/helper/template.py``).
 
 Real kernels whose first cell imports torch and Lightning, as Lightning's notebooks do: Lightning
 then decides, once, at import, that it runs interactively, and a rank forked from that kernel
-inherits the answer. That is the case that hung: ``Trainer(devices=2)`` picked its fork strategy
-in each rank and started 2 processes more per rank, which waited for peers that never came. The
+inherited the answer (when ranks were forks of it). That was the case that hung:
+``Trainer(devices=2)`` picked its fork strategy in each rank and started 2 processes more per
+rank, which waited for peers that never came. The
 code in the cells is written the way the projects' own docs write it (a ``LightningModule`` and a
 ``Trainer``; ``Fabric`` with ``launch``/``setup``/``backward``; Accelerate's ``training_function``
 handed to ``notebook_launcher``; the PyTorch DDP tutorial's ``demo_basic`` and ``run_demo``), on
@@ -406,7 +408,8 @@ def test_torch_and_lightning_still_have_what_the_ranks_replace() -> None:
 
     versions = {name: importlib.metadata.version(name) for name in ("torch", "lightning", "accelerate")}
     print(", ".join(f"{name} {version}" for name, version in versions.items()))
-    assert torch.__version__ == versions["torch"]
+    # The torch loaded is the one installed (a CUDA build says +cu130 where its metadata may not).
+    assert torch.__version__.split("+")[0] == versions["torch"].split("+")[0]
     # launches_inside.install() replaces both names in both modules, and binds the call's
     # arguments by these parameter names.
     for name in ("spawn", "start_processes"):
@@ -419,10 +422,7 @@ def test_torch_and_lightning_still_have_what_the_ranks_replace() -> None:
     assert list(inspect.signature(elastic_launch).parameters)[:2] == ["config", "entrypoint"]
     fields = {field.name for field in dataclasses.fields(LaunchConfig)}
     assert {"nproc_per_node", "max_nodes", "min_nodes", "start_method"} <= fields, fields
-    # plain_process clears the import-time answer and every Lightning module's copy of it.
-    import lightning.fabric.connector as fabric_connector
+    # The kernel's cell below reads Lightning's import-time answer by this name.
     import lightning.fabric.utilities.imports as imports
-    import lightning.pytorch.trainer.connectors.accelerator_connector as trainer_connector
 
-    for module in (imports, fabric_connector, trainer_connector):
-        assert isinstance(getattr(module, "_IS_INTERACTIVE", None), bool), f"{module.__name__}._IS_INTERACTIVE"
+    assert isinstance(getattr(imports, "_IS_INTERACTIVE", None), bool), "lightning's _IS_INTERACTIVE"

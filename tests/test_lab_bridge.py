@@ -144,7 +144,7 @@ def test_select_sets_the_notebook_selection(kernel: KernelSession, panel: str) -
 
     seen = len(kernel.comm_messages(panel))
     kernel.send(panel, {"type": "select", "num_processes": 3})
-    assert kernel.next_from(panel, seen)["selection"]["magic_line"] == "%%distributed --procs 3"
+    assert kernel.next_from(panel, seen)["selection"]["magic_line"] == "%%distributed --procs 3 --cpu"
 
     seen = len(kernel.comm_messages(panel))
     kernel.send(panel, {"type": "select", "gpus": []})

@@ -245,6 +245,11 @@ def test_the_pickers_selection_is_settled_once_and_a_session_keeps_it() -> None:
         settled = settle(LaunchOptions(inventory=synthetic_inventory(4)))
         assert settled.options.gpus == settled.given.gpus == (1, 3)
         assert settle(LaunchOptions(num_processes=2)).options.gpus is None  # devices given: no picker
+        set_selection(num_processes=2)  # the picker's "CPU ranks": CPU ranks, also where GPUs are
+        cpu_ranks = settle(LaunchOptions(inventory=synthetic_inventory(4), quiet=True))
+        assert (cpu_ranks.options.cpu, cpu_ranks.options.num_processes, cpu_ranks.options.gpus) == (True, 2, None)
+        assert [rank.gpu for rank in launcher_module.plan_launch(cpu_ranks).ranks] == [None, None]
+        set_selection(gpus=[1, 3])
         with Session.start_with(LaunchOptions(inventory=synthetic_inventory(4), quiet=True)) as session:
             set_selection(gpus=[0])  # a change of the picker does not move a running session's ranks
             assert session.options.gpus == (1, 3) and [r.gpu.index for r in session.plan.ranks if r.gpu] == [1, 3]

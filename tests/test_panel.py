@@ -130,7 +130,7 @@ def test_without_gpus_the_panel_offers_cpu_ranks(make_panel: Callable[..., Panel
     assert current_selection() == Selection(num_processes=2)
     panel.cpu_ranks.value = 3
     assert current_selection() == Selection(num_processes=3)
-    assert "<code>%%distributed --procs 3</code>" in panel.magic_line.value
+    assert "<code>%%distributed --procs 3 --cpu</code>" in panel.magic_line.value
 
     set_selection(num_processes=5)  # from elsewhere
     assert panel.use_cpu.value and panel.cpu_ranks.value == 5

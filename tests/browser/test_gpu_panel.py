@@ -72,7 +72,7 @@ def test_without_gpus_the_panel_asks_for_cpu_ranks(page: Page, lab_server: LabSe
     ranks = panel.locator(".accelnb-GpuPanel-procs input")
     ranks.fill("3")
     ranks.press("Enter")
-    expect(panel.locator(".accelnb-GpuPanel-magic")).to_have_text("%%distributed --procs 3")
+    expect(panel.locator(".accelnb-GpuPanel-magic")).to_have_text("%%distributed --procs 3 --cpu")
     expect(lab.toolbar_item()).to_have_text("3 CPU ranks")
     lab.run_cell(1)
     expect(lab.output(1)).to_contain_text("num_processes=3")

@@ -169,13 +169,15 @@ def accelerate_step() -> tuple[str, str, str, float]:
     accelerator = Accelerator()
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 16))
     optimizer = torch.optim.AdamW(model.parameters())
+    inside: list[torch.dtype] = []  # what the first layer computed in: the model's output is not it,
+    # since Accelerate's prepare() converts a mixed-precision model's outputs back to float32
+    model[0].register_forward_hook(lambda _module, _args, output: inside.append(output.dtype))
     model, optimizer = accelerator.prepare(model, optimizer)
     with accelerator.autocast():
-        out = model(torch.randn(32, 64, device=accelerator.device))
-        loss = out.float().pow(2).mean()
+        loss = model(torch.randn(32, 64, device=accelerator.device)).float().pow(2).mean()
     accelerator.backward(loss)
     optimizer.step()
-    return accelerator.mixed_precision, str(out.dtype), str(accelerator.device), loss.item()
+    return accelerator.mixed_precision, str(inside[0]), str(accelerator.device), loss.item()
 
 
 def test_bf16_through_accelerate() -> None:

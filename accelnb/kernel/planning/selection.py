@@ -33,7 +33,7 @@ class Selection:
         if self.gpus:
             return "%%distributed --gpus " + ",".join(str(i) for i in self.gpus)
         if self.num_processes:
-            return f"%%distributed --procs {self.num_processes}"
+            return f"%%distributed --procs {self.num_processes} --cpu"
         return "%%distributed"
 
 
