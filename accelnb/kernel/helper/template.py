@@ -38,8 +38,9 @@ from accelnb.wire.template import TRAINING_PREIMPORTS
 
 # "off" (or "0", "no"): no template is started nor fed in the background; a launch still starts
 # one and has it import what the kernel has, then waits for it. "bare": templates import only what
-# every rank needs to start (torch), never the kernel's modules, which each rank imports itself:
-# for a process whose thousands of modules the ranks do not need (a test runner's).
+# every rank needs (torch, and while idle what training touches first), never the kernel's modules,
+# which each rank imports itself: for a process whose thousands of modules the ranks do not need
+# (a test runner's).
 TEMPLATE_VARIABLE = "ACCELNB_TEMPLATE"
 
 _current: WorkerHelper | None = None
@@ -152,8 +153,14 @@ def _follow(helper: WorkerHelper, *, wait: bool) -> None:
     if names or (wait and helper.unanswered):
         helper.follow(names, wait=wait)
     if first:  # after the kernel's own: what training touches first, which no launch waits for
-        training = [name for name in TRAINING_PREIMPORTS if name.split(".", 1)[0] not in _unsafe_modules]
-        helper.follow(training, wait=False, optional=True)
+        _ask_for_training_imports(helper)
+
+
+def _ask_for_training_imports(helper: WorkerHelper) -> None:
+    """What an optimizer's first step or a DDP model imports (``torch._dynamo``: 1-3 s in each rank
+    that lacks it), imported while the template is idle; no launch waits for it."""
+    helper.follow([name for name in TRAINING_PREIMPORTS if name.split(".", 1)[0] not in _unsafe_modules],
+                  wait=False, optional=True)
 
 
 def _current_template() -> WorkerHelper:
@@ -172,6 +179,8 @@ def _current_template() -> WorkerHelper:
             _exit_hook_registered = True
         _current = WorkerHelper()
         _freshness = Freshness.now()
+        if _template_setting() == "bare":  # nothing of the kernel's, but what every training rank needs
+            _ask_for_training_imports(_current)
     return _current
 
 
