@@ -92,6 +92,19 @@ def test_ranks_fork_from_a_fresh_interpreter_that_imported_what_this_process_has
         assert "-m accelnb.worker.helper" in str(found["parent_cmdline"])  # a program of its own, not a fork of ours
 
 
+def what_a_full_collection_walks() -> tuple[int, int]:
+    import gc
+
+    return gc.get_freeze_count(), len(gc.get_objects())
+
+
+def test_a_ranks_garbage_collector_leaves_the_templates_objects_alone() -> None:
+    # torch alone is ~100k objects: a full collection walking them stalls a training step and
+    # copies the shared pages it touches.
+    for frozen, walked in run_ranks(what_a_full_collection_walks).values():
+        assert frozen > 50_000 and walked < 20_000, (frozen, walked)
+
+
 def test_a_module_binding_init_process_group_at_import_runs_like_under_torchrun(project: Path) -> None:
     """pytorch/examples' DDP series: ``from torch.distributed import init_process_group`` at the top of
     the module, imported in the notebook before the launch; under a fork of the kernel the rank's

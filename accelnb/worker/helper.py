@@ -14,7 +14,9 @@ clean but pays every import again on every launch. The template is a fresh inter
    it runs, and before each launch, which waits for them;
 4. forks one rank per spec on request: milliseconds, with everything imported, and nothing of the
    kernel's. It never initialises CUDA nor starts a thread; an import that does makes it
-   refuse to fork (``unsafe``), and the kernel starts another without that module.
+   refuse to fork (``unsafe``), and the kernel starts another without that module. Its objects
+   are frozen for the garbage collector first (``gc.freeze``): a rank's collections walk only
+   what the rank made.
 
 Protocol, over one private ``AF_UNIX``/``SOCK_SEQPACKET`` socketpair inherited from the kernel
 (no listening socket exists, so nobody else can reach it):
@@ -58,6 +60,7 @@ Run as ``python -m accelnb.worker.helper CONTROL_FD``.
 from __future__ import annotations
 
 import ctypes
+import gc
 import importlib
 import os
 import pickle
@@ -216,6 +219,10 @@ def serve(sock: socket.socket) -> None:
 def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int],
            workers: set[int], own_fds: tuple[int, int]) -> None:
     pids: list[int] = []
+    # The template's objects (torch's ~300k) are never collected in a rank: a rank's full
+    # collection would otherwise walk them all (0.1-0.35 s, a stall in its training loop) and
+    # copy every page it touches (their GC headers), which a fork shares until written.
+    gc.freeze()
     try:
         position = 0
         for spec in specs:

@@ -1,0 +1,199 @@
+"""A session's cell against a plain cell and ipyparallel's ``%%px``, in real kernels (issue 35).
+
+    python benchmarks/bench_session_cell.py              # prints the tables, rewrites its RESULTS.md section
+    python benchmarks/bench_session_cell.py --quick --no-write
+
+What a user sees is the time from pressing Shift-Enter to the cell's end, so each figure is a
+Jupyter client's round trip: ``execute_interactive`` (the execute request, every IOPub message up
+to "idle", the reply), the way JupyterLab waits for a cell. Three kernels, started alike
+(``jupyter_client``, the ``python3`` kernel of this environment), each measured in rounds that
+alternate between them, so that the load of a shared machine hits all alike:
+
+- ``plain``: ``x = 1`` in a kernel that imported torch and accelnb and loaded its magic (the floor);
+- ``accelnb``: ``%%distributed`` + ``x = 1`` in a session of 2 CPU ranks (``%distributed start
+  --procs 2 --cpu``), which runs the line on both ranks and returns when both answered;
+- ``ipyparallel``: ``%%px`` + ``x = 1`` on a cluster of 2 engines (``ipp.Cluster(n=2)``), the
+  tool people use for persistent engines in a notebook; blocking, as ``%%px`` is by default.
+
+Session start is timed too, each from a kernel that has everything imported and (for accelnb)
+a warm template (waited for, as it is a few seconds after ``import accelnb``, when a notebook's
+next cells come): ``%distributed start --procs 2 --cpu`` against
+``ipp.Cluster(n=2).start_and_connect_sync()``; each is stopped before the next.
+
+Targets (issue 35): a session cell ≤ 1.2× a plain cell of the same kernel and ≤ 0.4× ``%%px``;
+session start ≤ 1.5 s. A benchmark, not a test: it asserts nothing about timings.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from results_file import replace_section  # benchmarks/ is on sys.path as the script's folder
+
+HEADING = "## A session's cell against a plain cell and ipyparallel (issue 35)"
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIRST_CELL = "import torch, accelnb\n%load_ext accelnb"
+SESSION_START = "%distributed start --procs 2 --cpu"
+PX_START = ("import ipyparallel as ipp\ncluster = ipp.Cluster(n=2, log_level=40)\n"
+            "rc = cluster.start_and_connect_sync()\nrc[:].activate()")
+PX_STOP = "rc.close(); cluster.stop_cluster_sync()"
+CELLS = {"plain": "x = 1", "accelnb": "%%distributed\nx = 1", "ipyparallel": "%%px\nx = 1"}
+
+
+def start_kernel() -> tuple[Any, Any]:
+    from jupyter_client.manager import start_new_kernel
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (REPO_ROOT, os.environ.get("PYTHONPATH")) if p))
+    env.pop("ACCELNB_TEMPLATE", None)  # templates as users have them
+    return start_new_kernel(kernel_name="python3", env=env, cwd=REPO_ROOT)
+
+
+def run(client: Any, code: str, timeout: float = 300) -> float:
+    """Seconds from the request to the reply, after every IOPub message of the cell; raises on an error."""
+    errors: list[str] = []
+
+    def keep_errors(message: dict[str, Any]) -> None:
+        if message["msg_type"] == "error":
+            errors.append("\n".join(message["content"]["traceback"]))
+        elif message["msg_type"] == "stream" and message["content"]["name"] == "stderr":
+            errors.append(message["content"]["text"])
+
+    started = time.perf_counter()
+    reply = client.execute_interactive(code, timeout=timeout, output_hook=keep_errors)
+    took = time.perf_counter() - started
+    if reply["content"]["status"] != "ok":
+        raise RuntimeError(f"{code!r} failed:\n" + "\n".join(errors))
+    return took
+
+
+def session_starts(kind: str, count: int) -> list[float]:
+    """``count`` starts of a session of 2 (accelnb) or a cluster of 2 engines (ipyparallel), each from
+    a kernel with everything imported, stopped before the next."""
+    manager, client = start_kernel()
+    try:
+        run(client, FIRST_CELL + ("\nimport ipyparallel" if kind == "ipyparallel" else ""))
+        if kind == "accelnb":  # a few seconds after the imports, as a notebook's next cells come: warm
+            run(client, "from accelnb.kernel.helper.template import shared_helper\nshared_helper()")
+        times = []
+        for _ in range(count):
+            if kind == "accelnb":
+                times.append(run(client, SESSION_START))
+                run(client, "%distributed stop")
+            else:
+                times.append(run(client, PX_START))
+                run(client, PX_STOP)
+        return times
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+
+
+def cell_round_trips(kinds: list[str], rounds: int, per_round: int) -> dict[str, list[float]]:
+    """Each kind's kernel, set up once; then ``rounds`` rounds of ``per_round`` cells each, the
+    kinds taking turns round by round."""
+    kernels: dict[str, tuple[Any, Any]] = {}
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    try:
+        for kind in kinds:
+            manager, client = kernels[kind] = start_kernel()
+            run(client, FIRST_CELL)
+            if kind == "accelnb":
+                run(client, SESSION_START)
+            elif kind == "ipyparallel":
+                run(client, PX_START)
+            for _ in range(5):  # warm-up, not counted
+                run(client, CELLS[kind])
+        for _ in range(rounds):
+            for kind in kinds:
+                client = kernels[kind][1]
+                times[kind] += [run(client, CELLS[kind]) for _ in range(per_round)]
+        return times
+    finally:
+        for kind, (manager, client) in kernels.items():
+            try:
+                run(client, "%distributed stop" if kind == "accelnb" else PX_STOP if kind == "ipyparallel" else "pass")
+            except RuntimeError:
+                pass  # the kernel is shut down next in any case
+            finally:
+                client.stop_channels()
+                manager.shutdown_kernel(now=True)
+
+
+def table(rows: list[tuple[str, list[float]]], scale: float, unit: str) -> list[str]:
+    lines = [f"| tool | min ({unit}) | median ({unit}) | max ({unit}) | n |", "| --- | ---: | ---: | ---: | ---: |"]
+    for name, values in rows:
+        if values:
+            lines.append(f"| {name} | {min(values) * scale:.2f} | {statistics.median(values) * scale:.2f} | "
+                         f"{max(values) * scale:.2f} | {len(values)} |")
+        else:
+            lines.append(f"| {name} | n/a | n/a | n/a | 0 |")
+    return lines
+
+
+def ratio_row(label: str, value: float | None, target: str, meets: Callable[[float], bool]) -> str:
+    if value is None:
+        return f"| {label} | n/a | {target} | n/a |"
+    return f"| {label} | {value:.2f} | {target} | {'meets' if meets(value) else 'MISSES'} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="few repeats (a smoke run)")
+    parser.add_argument("--no-write", action="store_true", help="leave benchmarks/RESULTS.md as it is")
+    options = parser.parse_args()
+    rounds, per_round, starts = (2, 5, 1) if options.quick else (10, 10, 3)
+    try:
+        import ipyparallel  # noqa: F401
+        kinds = ["plain", "accelnb", "ipyparallel"]
+        missing = ""
+    except ImportError:
+        kinds = ["plain", "accelnb"]
+        missing = "ipyparallel is not installed (`pip install ipyparallel`): its rows are n/a"
+    load_before = os.getloadavg()
+    began = time.monotonic()
+    cells = cell_round_trips(kinds, rounds, per_round)
+    start_times = {kind: session_starts(kind, starts) for kind in kinds if kind != "plain"}
+    load_after = os.getloadavg()
+
+    def median(values: list[float] | None) -> float | None:
+        return statistics.median(values) if values else None
+
+    plain, ours, px = median(cells.get("plain")), median(cells.get("accelnb")), median(cells.get("ipyparallel"))
+    lines = [
+        HEADING, "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {os.cpu_count()} CPUs "
+        f"({platform.processor() or platform.machine()}), Python {platform.python_version()}",
+        f"- load average (1 min) {load_before[0]:.1f} at start, {load_after[0]:.1f} at end; "
+        f"{time.monotonic() - began:.0f} s in all (`python benchmarks/bench_session_cell.py`)",
+        *([f"- {missing}"] if missing else []), "",
+        "### 1. A cell's round trip, Shift-Enter to the cell's end (ms)", "",
+        f"`x = 1` as a plain cell, a `%%distributed` cell in a session of 2 CPU ranks, a `%%px` cell on 2 "
+        f"engines; {rounds} rounds of {per_round} cells each, the kernels taking turns.", "",
+        *table([("plain cell", cells.get("plain", [])), ("accelnb %%distributed", cells.get("accelnb", [])),
+                ("ipyparallel %%px", cells.get("ipyparallel", []))], 1000, "ms"), "",
+        "| ratio (medians) | value | target | verdict |", "| --- | ---: | ---: | ---: |",
+        ratio_row("accelnb cell / plain cell", ours / plain if ours and plain else None, "≤ 1.2", lambda v: v <= 1.2),
+        ratio_row("accelnb cell / %%px cell", ours / px if ours and px else None, "≤ 0.4", lambda v: v <= 0.4), "",
+        "### 2. Session start, from a kernel with everything imported (s)", "",
+        *table([("accelnb `%distributed start --procs 2 --cpu`", start_times.get("accelnb", [])),
+                ("ipyparallel `Cluster(n=2).start_and_connect_sync()`", start_times.get("ipyparallel", []))],
+               1, "s"), "",
+        "| ratio | value | target | verdict |", "| --- | ---: | ---: | ---: |",
+        ratio_row("accelnb session start (s)", median(start_times.get("accelnb")), "≤ 1.5 s", lambda v: v <= 1.5),
+    ]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if not options.no_write:
+        replace_section(HEADING, text)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
