@@ -36,8 +36,9 @@ soak: setup
 	$(PY) -m pytest -q -m slow tests -s
 
 bench: setup
-	$(PY) -m pip install -q "accelerate>=1.0" "lightning>=2.4"  # benchmark-only peers; keeps the editable install
+	$(PY) -m pip install -q "accelerate>=1.0" "lightning>=2.4" ipyparallel  # benchmark-only peers; keeps the editable install
 	$(PY) benchmarks/run_all.py
+	$(PY) benchmarks/bench_session_cell.py  # a %%distributed cell vs a plain cell vs ipyparallel's %%px; session start
 	$(PY) benchmarks/bench_first_launch.py --write
 	$(PY) benchmarks/bench_data.py --write
 	$(PY) benchmarks/bench_torchrun.py --write  # %torchrun vs !torchrun in real kernels: first output, whole cell, Stop
