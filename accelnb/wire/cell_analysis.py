@@ -11,19 +11,25 @@ Pure functions over the AST, so they are cheap and testable without a kernel::
 from __future__ import annotations
 
 import ast
+import functools
+
+
+@functools.lru_cache(maxsize=8)
+def _parsed(source: str) -> ast.Module:
+    """The cell's tree, parsed once for the several questions a cell's run asks of it (read only)."""
+    return ast.parse(source)
 
 
 def used_names(source: str) -> set[str]:
     """Every name the cell reads anywhere, functions and comprehensions included."""
-    tree = ast.parse(source)
-    return {node.id for node in ast.walk(tree) if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
+    return {node.id for node in ast.walk(_parsed(source))
+            if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load)}
 
 
 def assigned_names(source: str) -> list[str]:
     """Names bound at the cell's top level, in order, excluding imports (modules stay home)."""
-    tree = ast.parse(source)
     names: dict[str, None] = {}
-    for statement in tree.body:
+    for statement in _parsed(source).body:
         for name in _bound_by(statement):
             names.setdefault(name)
     return list(names)
