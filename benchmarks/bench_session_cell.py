@@ -81,7 +81,7 @@ def session_starts(kind: str, count: int) -> list[float]:
     try:
         run(client, FIRST_CELL + ("\nimport ipyparallel" if kind == "ipyparallel" else ""))
         if kind == "accelnb":  # a few seconds after the imports, as a notebook's next cells come: warm
-            run(client, "from accelnb.kernel.helper.template import shared_helper\nshared_helper()")
+            run(client, "accelnb.prewarm(wait=True)")
         times = []
         for _ in range(count):
             if kind == "accelnb":

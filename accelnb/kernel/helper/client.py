@@ -104,6 +104,7 @@ class WorkerHelper:
         self.considered: set[str] = set()  # modules of the kernel's it was asked for, or need not be
         self.unsafe: TemplateUnsafe | None = None  # set once an import made it unfit to fork
         self.unanswered: set[int] = set()  # follow requests it has not finished
+        self._optional_unanswered: set[int] = set()  # the same for optional ones, which no launch waits for
         self._live_pids: set[int] = set()  # forked and not reported exited
         self._sock = ours
         self._ready = False
@@ -195,8 +196,7 @@ class WorkerHelper:
                 if self._peer_closed():
                     raise helper_died(self.death(), "while importing what the notebook imported") from None
                 raise
-            if not optional:
-                self.unanswered.add(request.request_id)
+            (self._optional_unanswered if optional else self.unanswered).add(request.request_id)
             if not wait:
                 return
             reply = self._await_reply(request.request_id, time.monotonic() + FOLLOW_TIMEOUT_S, ("followed", "unsafe"))
@@ -207,6 +207,18 @@ class WorkerHelper:
                     f"accelnb's template did not import what the notebook imported within {FOLLOW_TIMEOUT_S:g} s. "
                     f"Check that importing these is quick in a plain python: {', '.join(modules) or '(none new)'}.")
             self._raise_if_unsafe()
+
+    def wait_until_idle(self, timeout: float) -> bool:
+        """Block until every import asked of the template is done, optional ones included (or it
+        died, or ``timeout`` s passed); True when none is left."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while (self.unanswered or self._optional_unanswered) and not self.lost:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._receive(timeout=left)
+            return not (self.unanswered or self._optional_unanswered)
 
     def _raise_if_unsafe(self) -> None:
         if self.unsafe is not None:
@@ -341,12 +353,11 @@ class WorkerHelper:
             self.forget(message[2])
         elif message[0] == "spawn_failed":
             self._abandoned_requests.discard(message[1])
-        elif message[0] == "followed":
+        elif message[0] in ("followed", "unsafe"):
             self.unanswered.discard(message[1])
-        elif message[0] == "unsafe":
-            self.unanswered.discard(message[1])
-            if self.unsafe is None:
-                self.unsafe = TemplateUnsafe(message[2], message[3])
+            self._optional_unanswered.discard(message[1])
+        if message[0] == "unsafe" and self.unsafe is None:
+            self.unsafe = TemplateUnsafe(message[2], message[3])
 
     def _peer_closed(self) -> bool:
         self.collect()

@@ -34,7 +34,7 @@ import sys
 import threading
 
 from accelnb.errors import HelperDied, WorkerStartError
-from accelnb.kernel.helper.client import StepHook, TemplateUnsafe, WorkerHelper
+from accelnb.kernel.helper.client import FOLLOW_TIMEOUT_S, StepHook, TemplateUnsafe, WorkerHelper
 from accelnb.kernel.helper.kernel_imports import Freshness, modules_to_follow
 from accelnb.wire.template import TRAINING_PREIMPORTS
 
@@ -116,10 +116,18 @@ def _template_setting() -> str:
     return os.environ.get(TEMPLATE_VARIABLE, "on").strip().lower()
 
 
-def prewarm() -> None:
-    """Start the template now, so that the first launch does not wait for ``import torch``."""
-    shared_helper(wait=False)
+def prewarm(wait: bool = False) -> None:
+    """Start the template now, so that the first launch does not wait for ``import torch``.
+
+    ``wait=True``: return once it has imported everything asked of it, this process's modules and
+    what training touches first (``torch._dynamo``, Accelerate: a launch that comes while the
+    template imports one waits for it). For a script or a benchmark that wants its first launch
+    to find the template warm.
+    """
+    helper = shared_helper(wait=wait)
     follow_in_background()
+    if wait:
+        helper.wait_until_idle(FOLLOW_TIMEOUT_S)
 
 
 def unsafe_packages() -> frozenset[str]:
