@@ -31,7 +31,7 @@ from accelnb.kernel.helper.template import shared_helper
 from accelnb.wire.channel import MessageReader
 from accelnb.wire.events import CallError
 from accelnb.wire.result_pickling import loads_in_kernel
-from accelnb.wire.spec import WorkerSpec
+from accelnb.wire.spec import RankFds, WorkerSpec, split_fds
 from tests.gpu.gpukit import needs_gpus
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -215,7 +215,7 @@ def test_a_worker_whose_set_up_fails_reports_the_cause() -> None:
     theirs = [pipes[0][1], pipes[1][1], pipes[2][1], pipes[3][0]]
     try:
         try:
-            shared_helper().spawn([spec], theirs)
+            shared_helper().spawn([spec], [RankFds(*theirs)])
         finally:
             for fd in theirs:  # the worker holds its own copies now
                 os.close(fd)
@@ -229,6 +229,18 @@ def test_a_worker_whose_set_up_fails_reports_the_cause() -> None:
     assert (error.rank, error.call_id, error.type_name) == (0, None, "ValueError"), error
     assert "embedded null byte" in error.message
     assert_no_machinery_frames(error.traceback)
+
+
+def test_the_fds_of_a_spawn_come_back_by_name_from_the_flat_list_that_crosses_the_socket() -> None:
+    def spec(rank: int, holds_store: bool) -> WorkerSpec:
+        return WorkerSpec(rank=rank, local_rank=rank, world_size=2, device="cpu", backend="gloo", env={},
+                          master_addr="127.0.0.1", master_port=1, cwd="/", sys_path=[], holds_store=holds_store)
+
+    specs = [spec(0, True), spec(1, False)]
+    sent = [RankFds(10, 11, 12, 13, store=14), RankFds(20, 21, 22, 23)]
+    assert split_fds([fd for each in sent for fd in each.flat()], specs) == sent
+    with pytest.raises(ValueError, match="8 fds for 2 ranks, which take 9"):
+        split_fds([10, 11, 12, 13, 20, 21, 22, 23], specs)  # rank 0's store missing
 
 
 def read_to_end(fd: int) -> bytes:

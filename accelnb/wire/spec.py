@@ -1,11 +1,16 @@
-"""What the kernel tells the helper about each worker it should fork: one :class:`WorkerSpec` per rank.
+"""What the kernel hands the helper for each worker it should fork: a :class:`WorkerSpec` and its
+:class:`RankFds`.
 
-Built on the kernel side from the plan (``accelnb.kernel.planning.worker_specs``), read on the worker side
-(``accelnb.worker.main``); the file descriptors travel beside it with ``SCM_RIGHTS``.
+The spec is built on the kernel side from the plan (``accelnb.kernel.planning.worker_specs``) and
+read on the worker side (``accelnb.worker.main``). The fds are opened by the kernel
+(``kernel/run/group/channel_pump.py``) and travel beside the specs with ``SCM_RIGHTS``, which
+carries a flat list: :meth:`RankFds.flat` and :func:`split_fds` are the only code that knows the
+order, so every other place names the fd it means.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -31,3 +36,34 @@ class WorkerSpec:
     # own before ``env`` (as torchrun's ranks get the shell's): a variable a cell set or deleted
     # after the helper started is seen by the ranks. None on a cluster's node, which keeps its own.
     kernel_env: dict[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class RankFds:
+    """The fds one rank is handed: its output pipes, its two sockets to the kernel, and for the
+    rank that holds it (``WorkerSpec.holds_store``) the rendezvous store's bound listening socket."""
+
+    stdout: int  # a pipe's write end: becomes the rank's fd 1
+    stderr: int  # likewise fd 2
+    events: int  # stream socket: the rank's events to the kernel (wire/events.py)
+    inbox: int  # stream socket: the kernel's calls, stop requests and input replies to the rank
+    store: int | None = None
+
+    def flat(self) -> list[int]:
+        """In the order :func:`split_fds` reads them back."""
+        return [self.stdout, self.stderr, self.events, self.inbox, *(() if self.store is None else (self.store,))]
+
+
+def split_fds(flat: Sequence[int], specs: Sequence[WorkerSpec]) -> list[RankFds]:
+    """Each spec's :class:`RankFds` from the flat list that crossed the socket (the ranks' in order)."""
+    needed = sum(5 if spec.holds_store else 4 for spec in specs)
+    if needed != len(flat):
+        raise ValueError(f"{len(flat)} fds for {len(specs)} ranks, which take {needed}")
+    taken: list[RankFds] = []
+    position = 0
+    for spec in specs:
+        stdout, stderr, events, inbox = flat[position:position + 4]
+        store = flat[position + 4] if spec.holds_store else None
+        position += 5 if spec.holds_store else 4
+        taken.append(RankFds(stdout, stderr, events, inbox, store))
+    return taken

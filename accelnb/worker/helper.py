@@ -26,7 +26,8 @@ Protocol, over one private ``AF_UNIX``/``SOCK_SEQPACKET`` socketpair inherited f
   ``("followed", request_id, [failed module…])`` once every module was tried, or
   ``("unsafe", request_id, module, reason)`` (then and ever after);
 - kernel → template ``("spawn", request_id, [WorkerSpec…])`` with each worker's fds attached
-  (stdout, stderr, events, inbox, and for rank 0 the TCPStore's listening socket);
+  (a :class:`~accelnb.wire.spec.RankFds` each: stdout, stderr, events, inbox, and for rank 0 the
+  TCPStore's listening socket; ``split_fds`` reads them back by name);
 - template → kernel ``("spawned", request_id, [pid…])`` or ``("spawn_failed", request_id, text)``;
 - template → kernel ``("exited", pid, returncode, reaped_at)`` once for every worker it forked
   (``returncode`` negative for a signal, ``reaped_at`` the wall time it was reaped), sent only
@@ -73,6 +74,7 @@ import traceback
 from collections import deque
 from typing import Any
 
+from accelnb.wire.spec import RankFds, split_fds
 from accelnb.wire.template import FollowImports
 from accelnb.worker import template_imports
 
@@ -224,18 +226,13 @@ def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int
     # copy every page it touches (their GC headers), which a fork shares until written.
     gc.freeze()
     try:
-        position = 0
-        for spec in specs:
-            count = 5 if spec.holds_store else 4
-            mine = fds[position:position + count]
-            position += count
+        for spec, mine in zip(specs, split_fds(fds, specs), strict=True):
             pid = os.fork()
             if pid == 0:
                 # The other ranks' fds must not live on in this worker (the store socket would
                 # stay bound, and pipes would not see end of file).
-                for fd in fds:
-                    if fd not in mine:
-                        os.close(fd)
+                for fd in set(fds) - set(mine.flat()):
+                    os.close(fd)
                 _become_worker(spec, mine, sock, own_fds)  # never returns
             workers.add(pid)
             pids.append(pid)
@@ -251,7 +248,7 @@ def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int
             os.close(fd)
 
 
-def _become_worker(spec: Any, fds: list[int], sock: socket.socket, own_fds: tuple[int, int]) -> None:
+def _become_worker(spec: Any, fds: RankFds, sock: socket.socket, own_fds: tuple[int, int]) -> None:
     """The forked child's way from the helper's state to ``worker_main``; never returns.
 
     Output goes to the rank's pipes first, so that a failure after that is visible: its
@@ -259,14 +256,12 @@ def _become_worker(spec: Any, fds: list[int], sock: socket.socket, own_fds: tupl
     shows the cause rather than a bare exit code.
     """
     code = START_FAILED_EXIT_CODE
-    stderr_fd = fds[1]  # until dup2 moved it to 2 (fd 2 is the helper's /dev/null before that)
+    stderr_fd = fds.stderr  # until dup2 moved it to 2 (fd 2 is the helper's /dev/null before that)
     try:
-        stdout_fd, events_fd, inbox_fd = fds[0], fds[2], fds[3]
-        store_fd = fds[4] if len(fds) > 4 else None
-        os.dup2(stdout_fd, 1)
-        os.dup2(stderr_fd, 2)
-        os.close(stdout_fd)
-        os.close(stderr_fd)
+        os.dup2(fds.stdout, 1)
+        os.dup2(fds.stderr, 2)
+        os.close(fds.stdout)
+        os.close(fds.stderr)
         stderr_fd = 2
         parent = os.getppid()
         os.setsid()  # out of the kernel's group: a notebook interrupt must not reach us directly
@@ -283,9 +278,9 @@ def _become_worker(spec: Any, fds: list[int], sock: socket.socket, own_fds: tupl
             os.close(fd)
         from accelnb.worker.main import worker_main
 
-        code = worker_main(spec, inbox_fd, events_fd, store_fd)
+        code = worker_main(spec, fds.inbox, fds.events, fds.store)
     except BaseException as error:
-        _report_start_failure(spec.rank, stderr_fd, fds[2], error)
+        _report_start_failure(spec.rank, stderr_fd, fds.events, error)
     finally:
         os._exit(code)
 

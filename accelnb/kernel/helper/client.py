@@ -39,7 +39,7 @@ from typing import Any, Protocol
 from accelnb.errors import WorkerStartError
 from accelnb.kernel.run.call_outcome import HelperExit
 from accelnb.kernel.run.failure_report import helper_died
-from accelnb.wire.spec import WorkerSpec
+from accelnb.wire.spec import RankFds, WorkerSpec
 from accelnb.wire.template import FollowImports
 
 HELPER_MODULE = "accelnb.worker.helper"  # named, not imported: it runs on the worker side
@@ -225,8 +225,8 @@ class WorkerHelper:
             raise self.unsafe
 
     # ── forking workers ─────────────────────────────────────────────────────────────────────
-    def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[int], on_step: StepHook | None = None) -> list[int]:
-        """Fork one worker per spec; ``fds`` are their pipe ends in order (see worker/helper.py).
+    def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[RankFds], on_step: StepHook | None = None) -> list[int]:
+        """Fork one worker per spec, handing it ``fds`` (the spec's, in the same order).
 
         Raises :class:`~accelnb.errors.HelperDied` when the helper dies meanwhile. Whatever
         interrupts the wait (Ctrl-C) leaves no worker of this request behind.
@@ -236,7 +236,8 @@ class WorkerHelper:
             self._next_request += 1
             request = self._next_request
             try:
-                socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs)))], list(fds))
+                socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs)))],
+                                [fd for each in fds for fd in each.flat()])
             except OSError:
                 if self._peer_closed():
                     raise helper_died(self.death(), "while starting workers") from None

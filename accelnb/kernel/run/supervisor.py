@@ -49,6 +49,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 from accelnb.errors import RankFailure
@@ -146,12 +147,11 @@ class WorkerGroup:
         every fd before it propagates.
         """
         try:
-            fds_to_send: list[int] = []
+            fds = []
             for spec in specs:
-                fds_to_send += self._channels.open(spec.rank)
-                if spec.holds_store:
-                    fds_to_send.append(store_socket.fileno())
-            self._processes.spawn(specs, fds_to_send)
+                theirs = self._channels.open(spec.rank)
+                fds.append(replace(theirs, store=store_socket.fileno()) if spec.holds_store else theirs)
+            self._processes.spawn(specs, fds)
             self._channels.close_their_ends()  # the workers hold them now: end of file works both ways
             self._channels.watch(self.helper.fileno(), self.helper.collect)
             self._phases.begin([run_state.RankState(spec.rank, spec.device, "starting", process.pid)

@@ -31,6 +31,7 @@ from accelnb.kernel.display.output import OutputRouter
 from accelnb.kernel.helper.client import StepHook
 from accelnb.wire.channel import MessageReader, receive_chunk
 from accelnb.wire.held_interrupts import held_interrupts
+from accelnb.wire.spec import RankFds
 
 PIPE_SIZE = 1 << 20  # bigger pipes: fewer wake-ups for floods and large results
 F_SETPIPE_SZ = 1031
@@ -83,8 +84,8 @@ class ChannelPump:
         return self._by_rank.get(rank)
 
     # ── opening ─────────────────────────────────────────────────────────────────────────────
-    def open(self, rank: int) -> list[int]:
-        """One rank's four channels; returns the ends it gets (stdout, stderr, events, inbox)."""
+    def open(self, rank: int) -> RankFds:
+        """One rank's four channels; returns the ends it gets."""
         if self._selector is None:
             self._selector = selectors.DefaultSelector()
         channels = RankChannels(rank)
@@ -109,7 +110,8 @@ class ChannelPump:
             self._step("pipe-opened")
         assert channels.events is not None
         channels.events.setblocking(False)
-        return theirs
+        stdout, stderr, events, inbox = theirs
+        return RankFds(stdout=stdout, stderr=stderr, events=events, inbox=inbox)
 
     def close_their_ends(self) -> None:
         """The workers hold their ends now: closing ours makes end of file work both ways."""

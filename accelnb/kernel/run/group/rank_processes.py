@@ -32,7 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from accelnb.kernel.helper.client import StepHook, WorkerHelper
-from accelnb.wire.spec import WorkerSpec
+from accelnb.wire.spec import RankFds, WorkerSpec
 
 KILL_WAIT_S = 5.0  # after SIGKILL: how long until the helper reports the exits
 BURY_WAIT_S = 1.0  # the helper died: how long its workers may take to be gone
@@ -89,7 +89,7 @@ class RankProcesses:
         return process is not None and process.alive
 
     # ── starting ────────────────────────────────────────────────────────────────────────────
-    def spawn(self, specs: Sequence[WorkerSpec], fds: list[int]) -> None:
+    def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[RankFds]) -> None:
         """Have the helper fork one worker per spec; ``fds`` are their channel ends, in order."""
         self.ranks = [RankProcess(spec.rank) for spec in specs]
         self._by_rank = {process.rank: process for process in self.ranks}
