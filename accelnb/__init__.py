@@ -41,9 +41,9 @@ if TYPE_CHECKING:  # what each public name is, for type checkers and editors; im
     from accelnb.kernel.helper.template import prewarm
     from accelnb.kernel.planning.inventory import GpuInfo, Inventory, read_inventory, synthetic_inventory
     from accelnb.kernel.planning.rank_plan import LaunchPlan, RankSpec
-    from accelnb.kernel.planning.selection import Selection, current_selection, set_selection
     from accelnb.kernel.run.launch_result import LaunchResult
-    from accelnb.kernel.stacks.live import stacks
+    from accelnb.kernel.run.live_stacks import stacks
+    from accelnb.kernel.watched_state.selection import Selection, current_selection, set_selection
     from accelnb.launcher import last_result, launch, notebook_launcher, plan
     from accelnb.other_launchers import spawn, torchrun
     from accelnb.session import Session
@@ -86,11 +86,11 @@ _DEFINED_IN: dict[str, str] = {
     "synthetic_inventory": "accelnb.kernel.planning.inventory",
     "LaunchPlan": "accelnb.kernel.planning.rank_plan",
     "RankSpec": "accelnb.kernel.planning.rank_plan",
-    "Selection": "accelnb.kernel.planning.selection",
-    "current_selection": "accelnb.kernel.planning.selection",
-    "set_selection": "accelnb.kernel.planning.selection",
+    "Selection": "accelnb.kernel.watched_state.selection",
+    "current_selection": "accelnb.kernel.watched_state.selection",
+    "set_selection": "accelnb.kernel.watched_state.selection",
     "LaunchResult": "accelnb.kernel.run.launch_result",
-    "stacks": "accelnb.kernel.stacks.live",
+    "stacks": "accelnb.kernel.run.live_stacks",
     "last_result": "accelnb.launcher",
     "launch": "accelnb.launcher",
     "notebook_launcher": "accelnb.launcher",

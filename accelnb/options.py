@@ -67,8 +67,8 @@ from accelnb.kernel.planning.inventory import Inventory
 from accelnb.kernel.planning.ports import check_port
 from accelnb.kernel.planning.rank_environment import DEVICE_ENV, RankOptions
 from accelnb.kernel.planning.rank_plan import GpuSpec
-from accelnb.kernel.planning.selection import current_selection
 from accelnb.kernel.run.call_settings import DEFAULT_STALL_TIMEOUT_S, DEFAULT_STOP_GRACE_S, CollectMode, OutputMode
+from accelnb.kernel.watched_state.selection import current_selection
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance

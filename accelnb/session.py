@@ -39,10 +39,10 @@ from accelnb.kernel.planning.inventory import Inventory, read_inventory
 from accelnb.kernel.run.call_settings import CallSettings
 from accelnb.kernel.run.engine import AttemptSink, run_on_group
 from accelnb.kernel.run.launch_result import LaunchResult
+from accelnb.kernel.run.live_stacks import DEFAULT_WAIT_S, StackDump
 from accelnb.kernel.run.rank_group import RankGroup
 from accelnb.kernel.run.sigterm import sigterm_as_stop
 from accelnb.kernel.run.supervisor import WorkerGroup
-from accelnb.kernel.stacks.live import DEFAULT_WAIT_S, StackDump
 from accelnb.launcher import group_starter, metric_route
 from accelnb.options import (
     SESSION_CALL_OPTIONS,

@@ -53,7 +53,6 @@ from accelnb.kernel.helper.template import shared_helper
 from accelnb.kernel.planning.inventory import read_inventory
 from accelnb.kernel.planning.rank_environment import kernel_omp_setting
 from accelnb.kernel.planning.rank_plan import GpuSpec, LaunchPlan
-from accelnb.kernel.planning.selection import current_selection
 from accelnb.kernel.run.attempts import run_attempts
 from accelnb.kernel.run.call_settings import CallSettings
 from accelnb.kernel.run.engine import MetricRoute
@@ -64,6 +63,7 @@ from accelnb.kernel.sweep.scheduler import SweepStop, run_trials
 from accelnb.kernel.sweep.slots import Slot, check_concurrency, cpu_slots, default_cpu_concurrency, gpu_slots
 from accelnb.kernel.sweep.sweep_state import SweepPublisher
 from accelnb.kernel.sweep.trials import MODES, Mode, Trial, Trials, describe_config
+from accelnb.kernel.watched_state.selection import current_selection
 from accelnb.launcher import group_starter, plan_launch
 from accelnb.options import LaunchOptions, SettledOptions, documents_options, keyword_names, settle
 

@@ -104,7 +104,7 @@ def kernel() -> Iterator[KernelSession]:
     try:
         session = KernelSession(client)
         session.execute("import accelnb.notebook.lab_bridge as bridge; bridge.register_comm_target(get_ipython())\n"
-                        "from accelnb.kernel.planning import selection; from accelnb.kernel.run import run_state")
+                        "from accelnb.kernel.watched_state import selection; from accelnb.kernel.run import run_state")
         yield session
     finally:
         client.stop_channels()

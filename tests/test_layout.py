@@ -42,7 +42,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "accelnb.cluster": ("accelnb.cluster", "accelnb.kernel", "accelnb.wire", "accelnb.worker.ray_rank",
                         "accelnb.errors"),
     "accelnb.errors": (),
-    "accelnb.options": ("accelnb.errors", "accelnb.wire", "accelnb.kernel.planning",
+    "accelnb.options": ("accelnb.errors", "accelnb.wire", "accelnb.kernel.planning", "accelnb.kernel.watched_state",
                         "accelnb.kernel.run.call_settings"),  # OutputMode, CollectMode: the choices
     "accelnb.launcher": ("accelnb.options", "accelnb.errors", "accelnb.wire", "accelnb.kernel", "accelnb.cluster",
                          "accelnb.notebook.metrics_view"),  # the live chart, wired in lazily when a run reports
@@ -198,6 +198,25 @@ def test_no_folder_holds_more_than_15_modules() -> None:
 def test_no_import_cycle_between_files() -> None:
     cycle = _find_cycle(GRAPH)
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def _kernel_family(module: str) -> str | None:
+    """``run`` for ``accelnb.kernel.run.group.call_protocol``; None outside ``accelnb.kernel``."""
+    parts = module.split(".")
+    return parts[2] if len(parts) > 3 and parts[:2] == ["accelnb", "kernel"] else None
+
+
+def test_no_two_kernel_families_import_each_other() -> None:
+    # Each family (planning, helper, run, display, ...) sits above the ones it imports; a loop of
+    # families means no one can read one of them without the others.
+    families: dict[str, set[str]] = {}
+    for module, imported in GRAPH.items():
+        source = _kernel_family(module)
+        if source is not None:
+            families.setdefault(source, set()).update(
+                target for name in imported if (target := _kernel_family(name)) not in (None, source))
+    cycle = _find_cycle(families)
+    assert cycle is None, "kernel families import each other: " + " -> ".join(cycle or [])
 
 
 def test_the_cycle_check_finds_a_cycle() -> None:

@@ -22,9 +22,9 @@ from accelnb import LaunchConfigError, Session, launch, notebook_launcher, synth
 from accelnb import launcher as launcher_module
 from accelnb.cluster import ClusterRequest
 from accelnb.kernel.planning.rank_environment import RankOptions
-from accelnb.kernel.planning.selection import clear_selection, set_selection
 from accelnb.kernel.planning.worker_specs import threads_per_rank
 from accelnb.kernel.run.call_settings import CallSettings
+from accelnb.kernel.watched_state.selection import clear_selection, set_selection
 from accelnb.options import (
     ALL_OPTIONS,
     CALL_OPTIONS,

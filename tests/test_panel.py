@@ -23,10 +23,10 @@ import ipywidgets as widgets
 import pytest
 
 from accelnb import launch
-from accelnb.kernel.planning import selection
 from accelnb.kernel.planning.inventory import GpuInfo, GpuProcess, Inventory, synthetic_inventory
-from accelnb.kernel.planning.selection import Selection, clear_selection, current_selection, set_selection
 from accelnb.kernel.run import run_state
+from accelnb.kernel.watched_state import selection
+from accelnb.kernel.watched_state.selection import Selection, clear_selection, current_selection, set_selection
 from accelnb.notebook import kernel_messages
 from accelnb.notebook.panel import Panel, show_panel
 from tests.conftest import wait_until_no_workers, worker_processes

@@ -16,7 +16,7 @@ from accelnb import GpuSelectionError, LaunchConfigError, synthetic_inventory
 from accelnb.kernel.planning.inventory import Inventory
 from accelnb.kernel.planning.rank_environment import DEVICE_ENV
 from accelnb.kernel.planning.rank_plan import plan
-from accelnb.kernel.planning.selection import clear_selection, set_selection
+from accelnb.kernel.watched_state.selection import clear_selection, set_selection
 from accelnb.worker import cell_runner
 
 EIGHT = synthetic_inventory(8)

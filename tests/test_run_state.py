@@ -13,9 +13,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from accelnb.kernel.planning import selection
 from accelnb.kernel.run import run_state
 from accelnb.kernel.run.run_state import WAIT_HOOK_RATE_HZ, RankState, RunState, WaitHooks
+from accelnb.kernel.watched_state import selection
 
 
 class SteppingClock:

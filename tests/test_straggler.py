@@ -21,8 +21,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset
 
 from accelnb import launch
+from accelnb.kernel.display.straggler_watch import StragglerWatch
 from accelnb.kernel.run.group import call_answers
-from accelnb.kernel.run.group.straggler_watch import StragglerWatch
 from accelnb.wire.events import StepWindow
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")

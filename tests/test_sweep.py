@@ -189,7 +189,7 @@ def test_gpu_trials_own_their_slot_and_no_gpu_runs_two_at_once() -> None:
 
 
 def test_the_pickers_selection_is_the_default_pool() -> None:
-    from accelnb.kernel.planning.selection import clear_selection, set_selection
+    from accelnb.kernel.watched_state.selection import clear_selection, set_selection
 
     set_selection(gpus=[1, 3])
     try:

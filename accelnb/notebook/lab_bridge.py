@@ -2,7 +2,7 @@
 
 ``%load_ext accelnb`` calls :func:`register_comm_target`; from then on the panel (the
 ``accelnb-labextension`` JupyterLab extension) can open a comm to this kernel, show its GPUs,
-write the notebook-wide selection (:mod:`accelnb.kernel.planning.selection`) and follow the run in progress
+write the notebook-wide selection (:mod:`accelnb.kernel.watched_state.selection`) and follow the run in progress
 (:mod:`accelnb.kernel.run.run_state`). This module only translates messages; it decides nothing.
 
     >>> register_comm_target(get_ipython())      # what %load_ext accelnb does
@@ -95,12 +95,12 @@ from typing import TYPE_CHECKING, Any
 
 import comm
 
-from accelnb.kernel.planning import selection
 from accelnb.kernel.planning.inventory import Inventory, InventorySource, read_inventory
 from accelnb.kernel.planning.rank_plan import plan
 from accelnb.kernel.run import run_state
-from accelnb.kernel.stacks.live import DEFAULT_WAIT_S, NO_DUMP
+from accelnb.kernel.run.live_stacks import DEFAULT_WAIT_S, NO_DUMP
 from accelnb.kernel.sweep import sweep_state
+from accelnb.kernel.watched_state import selection
 from accelnb.notebook.gpu_watch import UtilizationHistory, gpu_rows, kernel_pids
 from accelnb.notebook.kernel_messages import let_comm_messages_through_runs
 

@@ -28,7 +28,7 @@ redraws at most once a second.
 
 Nothing is displayed when nothing was reported and no step was counted. Without an IPython kernel (a script, a terminal)
 the view prints a compact text summary at close instead. A surface that raises follows accelnb's
-observer policy (:mod:`accelnb.kernel.display.observers`): the view logs the error once, stops drawing,
+observer policy (:mod:`accelnb.kernel.watched_state.observers`): the view logs the error once, stops drawing,
 and the launch goes on.
 """
 

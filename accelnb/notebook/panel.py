@@ -8,7 +8,7 @@
 It shows every GPU of the machine (index as nvidia-smi numbers it, name, memory, utilisation,
 short UUID, processes), refreshed every few seconds by a background thread that only re-reads the
 inventory and sets widget values (ipykernel sends widget updates from any thread), so the kernel is
-never blocked. Ticking boxes sets the notebook-wide selection (:mod:`accelnb.kernel.planning.selection`) that
+never blocked. Ticking boxes sets the notebook-wide selection (:mod:`accelnb.kernel.watched_state.selection`) that
 ``%%distributed`` and ``notebook_launcher`` use when they are not told which GPUs; a change made
 elsewhere (another panel, the JupyterLab side panel, ``set_selection``) ticks the boxes here. With
 no GPU, a CPU-ranks control takes the table's place. A synthetic inventory is flagged in a banner.
@@ -44,15 +44,15 @@ from typing import Any
 import ipywidgets as widgets
 
 from accelnb.kernel.planning.inventory import GpuInfo, Inventory, read_inventory
-from accelnb.kernel.planning.selection import (
+from accelnb.kernel.run import run_state
+from accelnb.kernel.run.live_stacks import DEFAULT_WAIT_S, StackDump
+from accelnb.kernel.watched_state.selection import (
     Selection,
     clear_selection,
     current_selection,
     on_selection_change,
     set_selection,
 )
-from accelnb.kernel.run import run_state
-from accelnb.kernel.stacks.live import DEFAULT_WAIT_S, StackDump
 from accelnb.notebook import kernel_messages
 
 DEFAULT_REFRESH_S = 3.0

@@ -14,7 +14,7 @@ split at the DDP forward (``DistributedDataParallel.forward``, timed by a wrappe
 The report flush (``worker/report.py``: every 50 ms, with a window at most every 0.25 s) sends
 what the steps since the last window added up to, as one :class:`~accelnb.wire.events.StepWindow`;
 the kernel compares ranks
-(``kernel/run/group/straggler_watch.py``). A step costs two clock reads and a few additions
+(``kernel/display/straggler_watch.py``). A step costs two clock reads and a few additions
 (``benchmarks/bench_rank_view.py`` measures it on the DDP loop). An inference loop (DDP forwards
 under ``no_grad``/``inference_mode``) counts its forwards apart, as ``forward_steps``: the kernel
 shows them only for a rank that takes no optimizer step, so a training run's evaluation does not

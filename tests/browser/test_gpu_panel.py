@@ -21,7 +21,7 @@ LOAD_ACCELNB = "%load_ext accelnb"
 def test_panel_lists_gpus_and_selects_for_the_notebook(page: Page, lab_server: LabServer) -> None:
     path = lab_server.create_notebook("panel.ipynb", [
         LOAD_ACCELNB,
-        "from accelnb.kernel.planning.selection import current_selection; print(current_selection())",
+        "from accelnb.kernel.watched_state.selection import current_selection; print(current_selection())",
     ])
     lab = LabPage(page)
     lab.open_notebook(lab_server.notebook_url(path, "panel"))
@@ -57,7 +57,7 @@ def test_without_gpus_the_panel_asks_for_cpu_ranks(page: Page, lab_server: LabSe
         "from accelnb.kernel.planning.inventory import Inventory, set_inventory_source\n"
         "set_inventory_source(lambda: Inventory(source='none', note='no NVIDIA driver found'))\n"
         + LOAD_ACCELNB,
-        "from accelnb.kernel.planning.selection import current_selection; print(current_selection())",
+        "from accelnb.kernel.watched_state.selection import current_selection; print(current_selection())",
     ])
     lab = LabPage(page)
     lab.open_notebook(lab_server.notebook_url(path, "cpu"))

@@ -18,7 +18,7 @@ What DDP hides: every rank's step lasts as long as the slowest rank's, so "time 
 everywhere. What differs is the time a rank spends *before* it reaches the collective (getting its
 batch, its forward pass). The rank that takes longest there makes the others wait; each rank's
 *waiting* is estimated as how much sooner it got there than the slowest one, per step, as a share
-of the step (``kernel/run/group/straggler_watch.py`` names the straggler from the same figures).
+of the step (``kernel/display/straggler_watch.py`` names the straggler from the same figures).
 
 The record is kept for :class:`~accelnb.kernel.run.launch_result.LaunchResult` afterwards
 (:meth:`RankActivity.summary`): per rank, every window's step time, data and forward times, and
@@ -33,9 +33,8 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from accelnb.kernel.display.straggler_watch import MIN_LEAD_S, MIN_SHARE
 from accelnb.kernel.planning.inventory import GpuInfo, Inventory, read_inventory
-from accelnb.kernel.run.group.straggler_watch import MIN_LEAD_S, MIN_SHARE
-from accelnb.kernel.run.run_state import RankFigures
 from accelnb.wire.events import MetricBatch, StepWindow
 
 RATE_WINDOW_S = 10.0  # steps per second over this much recent time
@@ -43,6 +42,17 @@ MIN_RATE_SPAN_S = 1.0  # ... once windows span at least this much
 RECENT_WINDOWS = 20  # windows that make the "recent" time per step and waiting figures
 SAMPLE_INTERVAL_S = 1.0  # NVML and /proc at most this often
 MAX_KEPT = 10_000  # windows and samples kept per rank for the result (a long run keeps its latest)
+
+
+@dataclass(frozen=True)
+class RankFigures:
+    """A rank's progress as numbers, for displays that draw it (the side panel's bars)."""
+
+    steps: int
+    steps_per_s: float | None = None
+    gpu_utilization: int | None = None  # percent, of the GPU the rank runs on
+    gpu_memory_used: int | None = None  # bytes
+    gpu_memory_total: int | None = None  # bytes
 
 
 @dataclass(frozen=True)

@@ -30,8 +30,8 @@ from typing import Any
 from accelnb.kernel.doctor.gpu_health import GpuFacts, read_gpu_facts
 from accelnb.kernel.doctor.report import Check, DoctorReport
 from accelnb.kernel.helper.template import running_helper_pid
-from accelnb.kernel.planning.selection import current_selection
 from accelnb.kernel.run.run_state import current_run
+from accelnb.kernel.watched_state.selection import current_selection
 
 GiB = 2**30
 SHM_MIN_TOTAL = 1 * GiB  # NCCL's shared-memory transport and DataLoader workers both live there

@@ -37,8 +37,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from accelnb.errors import WorkerStartError
-from accelnb.kernel.run.call_outcome import HelperExit
-from accelnb.kernel.run.failure_report import helper_died
+from accelnb.kernel.helper.process_exits import HelperExit, helper_died
 from accelnb.wire.spec import RankFds, WorkerSpec
 from accelnb.wire.template import FollowImports
 

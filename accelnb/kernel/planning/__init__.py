@@ -3,7 +3,6 @@
 - ``rank_plan``: pure planning, a device selection and an inventory in, one spec per rank out
   (how the plan maps GPUs to ranks);
 - ``inventory``: the machine's GPUs, read from NVML without initialising CUDA (or synthetic);
-- ``selection``: the notebook-wide default selection the GPU pickers set and launches read;
 - ``rank_environment``: the one function that builds a rank's environment variables, for the ranks
   of this machine and of a cluster alike;
 - ``worker_specs``: from a plan to what the helper forks (or a cluster's actors set up), and the

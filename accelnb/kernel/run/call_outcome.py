@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from accelnb.errors import RankFailure
+from accelnb.kernel.helper.process_exits import HelperExit
 from accelnb.wire.buffers import Packed
 
 # answered: every rank returned (values for the ranks that were asked for one);
@@ -32,15 +33,6 @@ CallPhase = Literal["unsent", "sending", "running"]
 
 # What stopped an interrupted call.
 StopSource = Literal["interrupt", "stop_request"]
-
-
-@dataclass(frozen=True)
-class HelperExit:
-    """How accelnb's helper process ended."""
-
-    pid: int
-    exit_code: int | None  # negative: killed by that signal; None: not known (still a zombie?)
-    stderr: str = ""  # what it printed before it was ready (start-up failures)
 
 
 @dataclass

@@ -16,11 +16,9 @@ on rank 1 is raised as a subclass of both :class:`~accelnb.errors.RankFailed` an
 
 from __future__ import annotations
 
-import signal
 from collections.abc import Sequence
 
 from accelnb.errors import (
-    HelperDied,
     LaunchFailed,
     LaunchTimeout,
     RankCrashed,
@@ -28,7 +26,8 @@ from accelnb.errors import (
     RankFailure,
     RunInterrupted,
 )
-from accelnb.kernel.run.call_outcome import CallOutcome, HelperExit
+from accelnb.kernel.helper.process_exits import describe_exit_status, helper_died, signal_name
+from accelnb.kernel.run.call_outcome import CallOutcome
 from accelnb.kernel.stacks.faulthandler_dumps import clean_stack_dump
 from accelnb.wire.events import CallError
 from accelnb.wire.result_pickling import loads_in_kernel
@@ -39,12 +38,6 @@ SETUP_FAILED_EXIT_CODE = 70
 # The type a rank reports when the user typed `q` at its (Pdb) prompt (worker/rank_debugger.py).
 QUIT_IN_DEBUGGER = "bdb.BdbQuit"
 
-_SIGNAL_HINTS = {
-    "SIGKILL": " (sent by the kernel's OOM killer when memory runs out, or by `kill -9`)",
-    "SIGSEGV": " (a segmentation fault in native code)",
-    "SIGABRT": " (native code aborted, e.g. a failed CUDA/NCCL assertion)",
-    "SIGBUS": " (bad memory access; on Docker often a too-small /dev/shm)",
-}
 
 
 # ── failure records ─────────────────────────────────────────────────────────────────────────────
@@ -72,8 +65,8 @@ def exit_failure(rank: int, pid: int, exit_code: int, output_tail: str, timestam
     ``joined``: it had joined the process group (so an exit code of 70 was the function's own).
     """
     if exit_code < 0:
-        name = _signal_name(-exit_code)
-        return RankFailure(rank, pid, "signal", f"killed by {name}{_SIGNAL_HINTS.get(name, '')}",
+        name = signal_name(-exit_code)
+        return RankFailure(rank, pid, "signal", describe_exit_status(exit_code),
                            exit_code=exit_code, signal_name=name, output_tail=clean_stack_dump(output_tail),
                            timestamp=timestamp)
     if exit_code == SETUP_FAILED_EXIT_CODE and not joined:
@@ -86,23 +79,6 @@ def exit_failure(rank: int, pid: int, exit_code: int, output_tail: str, timestam
         summary = f"exited with code {exit_code} without returning (os._exit() or a crash in native code)"
     return RankFailure(rank, pid, "exit", summary, exit_code=exit_code, output_tail=output_tail,
                        timestamp=timestamp)
-
-
-def _signal_name(number: int) -> str:
-    try:
-        return signal.Signals(number).name
-    except ValueError:
-        return f"signal {number}"
-
-
-def describe_exit_status(exit_code: int | None) -> str:
-    """``killed by SIGKILL (…)``, ``exited with code 1``, or that the status is unknown."""
-    if exit_code is None:
-        return "its exit status could not be read"
-    if exit_code < 0:
-        name = _signal_name(-exit_code)
-        return f"killed by {name}{_SIGNAL_HINTS.get(name, '')}"
-    return f"exited with code {exit_code}"
 
 
 # ── the exception for a call ────────────────────────────────────────────────────────────────────
@@ -155,25 +131,6 @@ def interrupted_outside_call(*, persistent: bool) -> RunInterrupted:
     """An interrupt that landed around the call (ending the workers after it answered, say)."""
     return RunInterrupted("accelnb stopped the run: every worker was ended on the interrupt"
                           + (", and the session was closed." if persistent else "."))
-
-
-def helper_died(death: HelperExit, moment: str, *, persistent: bool = False, had_workers: bool = True,
-                failures: Sequence[RankFailure] = ()) -> HelperDied:
-    """accelnb's helper process died ``moment`` ("while starting workers", "during the run"…)."""
-    lines = [f"accelnb's helper process (pid {death.pid}, the clean process that forks the workers) died "
-             f"{moment}: {describe_exit_status(death.exit_code)}."]
-    if death.stderr.strip():
-        lines += ["It printed:", *("  " + line for line in death.stderr.strip().splitlines())]
-    if had_workers:
-        lines.append("Every worker was ended with it.")
-    if death.exit_code is not None and death.exit_code > 0:
-        lines.append("Check that `python -c 'import torch'` works in this environment.")
-    lines.append("The next launch starts a new helper"
-                 + ("; if memory ran out, use fewer ranks or smaller batches." if death.exit_code == -9 else "."))
-    if persistent:
-        lines.append("The persistent session was closed. Start a new one with Session.start() or "
-                     "%distributed start.")
-    return HelperDied("\n".join(lines), tuple(failures), helper_pid=death.pid, exit_code=death.exit_code)
 
 
 def timed_out(timeout: float | None, stacks: dict[int, str], failures: Sequence[RankFailure], *,

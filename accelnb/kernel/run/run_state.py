@@ -12,7 +12,7 @@ supervisor calls :func:`run_wait_hooks` on every wake-up of its wait loop, which
 flood is thousands of times a second; this module, not the call site, keeps the hooks to
 :data:`WAIT_HOOK_RATE_HZ` rounds a second (see :class:`WaitHooks`).
 
-Run listeners and wait hooks follow the one observer policy of :mod:`accelnb.kernel.display.observers`:
+Run listeners and wait hooks follow the one observer policy of :mod:`accelnb.kernel.watched_state.observers`:
 one that raises is logged and skipped; the launch goes on.
 """
 
@@ -27,24 +27,14 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Literal
 
-from accelnb.kernel.display.observers import Listeners
+from accelnb.kernel.display.rank_activity import RankFigures
+from accelnb.kernel.watched_state.observers import Listeners
 
 RankPhase = Literal["starting", "running", "done", "failed", "stopped"]
 
 # Rounds of wait hooks per second while a launch waits: a Stop click is seen within 50 ms, and
 # hooks cost the wait loop at most twenty calls a second whatever the workers print.
 WAIT_HOOK_RATE_HZ = 20.0
-
-
-@dataclass(frozen=True)
-class RankFigures:
-    """A rank's progress as numbers, for displays that draw it (the side panel's bars)."""
-
-    steps: int
-    steps_per_s: float | None = None
-    gpu_utilization: int | None = None  # percent, of the GPU the rank runs on
-    gpu_memory_used: int | None = None  # bytes
-    gpu_memory_total: int | None = None  # bytes
 
 
 @dataclass

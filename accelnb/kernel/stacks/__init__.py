@@ -1,5 +1,7 @@
-"""The ranks' Python stacks: asked for while they run, and read from faulthandler's dumps.
+"""The ranks' Python stacks as text: faulthandler's dumps, read and cleaned.
 
-- ``live``: ``accelnb.stacks()``, every rank's current stack without stopping it;
 - ``faulthandler_dumps``: a dump with only the user's threads and frames, told apart from stderr.
+
+Asking running ranks for their stacks (``accelnb.stacks()``) is the run's job:
+``kernel/run/live_stacks.py`` and ``kernel/run/group/live_stack_requests.py``.
 """

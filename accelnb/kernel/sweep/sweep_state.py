@@ -14,8 +14,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from accelnb.kernel.display.observers import Listeners
 from accelnb.kernel.sweep.trials import Trial, TrialState
+from accelnb.kernel.watched_state.observers import Listeners
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ socket, a Ray actor's events poll). :func:`record_event` handles the events ever
 - ``MetricBatch``: to the group's metric sink;
 - ``ChecksForStop``: the call's code checks ``stop_requested()`` (a Stop press becomes a request);
 - ``StepWindow``: to the call's straggler watch, which names a rank holding the others back, in
-  the cell, once (``kernel/run/group/straggler_watch.py``), and to the metric sink, whose live
+  the cell, once (``kernel/display/straggler_watch.py``), and to the metric sink, whose live
   view shows every rank's progress.
 
     >>> answers = CallAnswers(call_id=3, ranks=None)                                      # doctest: +SKIP
@@ -29,11 +29,11 @@ from typing import Any
 
 from accelnb.errors import RankFailure
 from accelnb.kernel.display.output import OutputRouter, notebook_sink
+from accelnb.kernel.display.straggler_watch import StragglerWatch
 from accelnb.kernel.run.call_outcome import CallOutcome, CallPhase, Ending, StopSource
 from accelnb.kernel.run.failure_report import exception_failure
 from accelnb.kernel.run.group.rank_phases import RankPhases
 from accelnb.kernel.run.group.stop_presses import StopPresses
-from accelnb.kernel.run.group.straggler_watch import StragglerWatch
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import CallError, CallResult, ChecksForStop, Joined, MetricBatch, StepWindow
 

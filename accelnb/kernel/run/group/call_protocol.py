@@ -38,10 +38,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
+from accelnb.kernel.display.straggler_watch import StragglerWatch
 from accelnb.kernel.run.call_outcome import CallOutcome, HelperExit
 from accelnb.kernel.run.group.call_answers import CallAnswers
 from accelnb.kernel.run.group.stop_presses import PANEL_STOP, TIMEOUT_PASSED, StopPresses
-from accelnb.kernel.run.group.straggler_watch import StragglerWatch
 
 ANSWER_WAIT_S = 1.0  # sessions: how long the other ranks get to answer after a failure
 WAIT_SLICE_S = 0.05  # the wait loop wakes this often (a Stop request, a deadline, display hooks)

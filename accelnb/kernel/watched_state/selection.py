@@ -3,7 +3,7 @@
 The ipywidgets panel, the JupyterLab side panel and ``%distributed`` all write here; a launch
 without ``gpus=``/``num_processes=`` reads here before falling back to "every visible GPU".
 Listeners (the panels) are told about every change, whoever made it; one that raises is logged
-and skipped, and the selection still holds (the policy of :mod:`accelnb.kernel.display.observers`).
+and skipped, and the selection still holds (the policy of :mod:`accelnb.kernel.watched_state.observers`).
 
     >>> set_selection(gpus=[0, 2])
     >>> current_selection()
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from accelnb.errors import LaunchConfigError
-from accelnb.kernel.display.observers import Listeners
+from accelnb.kernel.watched_state.observers import Listeners
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,11 @@
 """One policy for telling displays about changes: a broken display never breaks the caller.
 
-The selection (:mod:`accelnb.kernel.planning.selection`), the run state and the launch's wait hooks
+The selection (:mod:`accelnb.kernel.watched_state.selection`), the run state and the launch's wait hooks
 (:mod:`accelnb.kernel.run.run_state`) keep their subscribers in a :class:`Listeners`. The callers are
 ``set_selection`` and a running launch; the subscribers are displays (the widget panel, the
 JupyterLab side panel, the live metrics view). A subscriber that raises must not turn a launch
 or a selection into an error, so :meth:`Listeners.notify` catches its ``Exception``, lets the
-other subscribers run, and logs the error with :mod:`logging` (logger ``accelnb.kernel.display.observers``).
+other subscribers run, and logs the error with :mod:`logging` (logger ``accelnb.kernel.watched_state.observers``).
 
 The first failure of each subscriber is logged as a WARNING with its traceback: with no logging
 set up, Python's last-resort handler prints that to ``sys.stderr``, which in a notebook is the
