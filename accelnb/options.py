@@ -319,7 +319,7 @@ class LaunchOptions:
         for name in keywords:
             if name not in accepted:
                 raise LaunchConfigError(_refusal(name, accepted, caller))
-        return replace(self, **keywords)
+        return replace(self, **keywords) if keywords else self  # frozen: the same options, checked once
 
 
 View = TypeVar("View", bound="DataclassInstance")
