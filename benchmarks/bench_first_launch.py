@@ -144,8 +144,9 @@ def table(medians: dict[str, float], runs: dict[str, list[float]], memory: str |
         f"| 256 MiB into a launch ≤ 1.0× Accelerate's | {big / accelerate_big:.2f}× | "
         f"{'meets' if not big > accelerate_big else 'misses'}{HUNG_WHY if math.isnan(accelerate_big) else ''} |",
         f"| (for scale) first launch, template off | {cold / accelerate:.2f}× | – |",
-        f"| `%distributed start` ready ≤ 1.5 s after `%load_ext` | {load_ext:.2f} s | "
-        f"{'meets' if load_ext <= 1.5 else 'misses'} |",
+        # Issue 35's "session start ≤ 1.5 s" is from a warm template (bench_session_cell.py); this
+        # one includes the template's own start: python, torch, and the kernel's transformers.
+        f"| (for scale) `%load_ext` → `%distributed start` ready, the template cold | {load_ext:.2f} s | – |",
     ]
     note = f"\nMemory (KiB, last warm run): {memory}\n" if memory else ""
     return "\n".join(rows) + "\n\n" + "\n".join(verdicts) + "\n" + note
