@@ -408,7 +408,8 @@ def _with_picker_default(options: LaunchOptions) -> LaunchOptions:
         return options  # the planner's own default: every visible GPU
     # A number of ranks without GPUs is the picker's "CPU ranks": on a machine with GPUs,
     # num_processes alone would take the first N of them.
-    return replace(options, gpus=chosen.gpus, num_processes=chosen.num_processes, cpu=chosen.gpus is None)
+    return replace(options, gpus=chosen.gpus, num_processes=chosen.num_processes,
+                   cpu=chosen.gpus is None and chosen.num_processes is not None)
 
 
 def _overridden(config: AccelerateConfig, given: LaunchOptions) -> tuple[str, ...]:

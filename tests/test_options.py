@@ -249,6 +249,8 @@ def test_the_pickers_selection_is_settled_once_and_a_session_keeps_it() -> None:
         cpu_ranks = settle(LaunchOptions(inventory=synthetic_inventory(4), quiet=True))
         assert (cpu_ranks.options.cpu, cpu_ranks.options.num_processes, cpu_ranks.options.gpus) == (True, 2, None)
         assert [rank.gpu for rank in launcher_module.plan_launch(cpu_ranks).ranks] == [None, None]
+        set_selection()  # chose nothing: every visible GPU, as without a selection
+        assert settle(LaunchOptions(inventory=synthetic_inventory(4))).options.cpu is False
         set_selection(gpus=[1, 3])
         with Session.start_with(LaunchOptions(inventory=synthetic_inventory(4), quiet=True)) as session:
             set_selection(gpus=[0])  # a change of the picker does not move a running session's ranks
