@@ -177,10 +177,13 @@ def _flush_before_dying_of_sigterm(wake: Callable[[], None]) -> threading.Event:
         if not acting.acquire(blocking=False):
             return
         received.set()
+        dying = signal.getsignal(signal.SIGTERM) is die_after_flushing
+        if dying:
+            report.seal()  # what the code reports from here on would miss the last flush
         flushing = threading.Thread(target=flush_streams_and_metrics, daemon=True)
         flushing.start()
         flushing.join(SIGTERM_FLUSH_LIMIT_S)
-        if signal.getsignal(signal.SIGTERM) is die_after_flushing:
+        if dying:
             _die_of_sigterm()
         wake()
 

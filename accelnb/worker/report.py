@@ -42,6 +42,9 @@ _rank = 0
 _pending: deque[Record] = deque()
 _flush_lock = threading.Lock()
 _warned = False
+# Set by seal() when the rank is about to die of SIGTERM: a report made after the last flush
+# drained the queue would be lost, so report() then waits for the end instead of returning.
+_sealed = False
 
 
 class ProgressSource(Protocol):
@@ -97,6 +100,17 @@ def report(metrics: Mapping[str, Any] | None = None, /, *, step: int | None = No
     if total is not None and _rank == 0:
         _advance_reported_steps(step, total)
     _pending.append((step, _now(), scalars))
+    if _sealed:  # read after the append: a report that returns is one the last flush sends
+        threading.Event().wait()  # the process dies of SIGTERM within a second
+
+
+def seal() -> None:
+    """Called once the rank is to die of SIGTERM, before its last flush: from now on a report
+    never returns. Code that reported a step and then wrote it down (to a file, a log) would
+    otherwise show a step the kernel never got: reported after the last flush drained the queue,
+    in the moment before the process died."""
+    global _sealed
+    _sealed = True
 
 
 def flush(periodic: bool = False) -> None:
