@@ -101,6 +101,7 @@ class WorkerHelper:
             theirs.close()
         self.workers_started = 0  # how many it forked, ever
         self.considered: set[str] = set()  # modules of the kernel's it was asked for, or need not be
+        self.modules_at_last_look = -1  # len(sys.modules) of the kernel when ``considered`` was last brought up to date
         self.unsafe: TemplateUnsafe | None = None  # set once an import made it unfit to fork
         self.unanswered: set[int] = set()  # follow requests it has not finished
         self._optional_unanswered: set[int] = set()  # the same for optional ones, which no launch waits for

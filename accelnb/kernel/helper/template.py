@@ -49,7 +49,6 @@ _current: WorkerHelper | None = None
 _freshness = Freshness()  # what the current template's imports depended on
 _retired: list[WorkerHelper] = []  # replaced while ranks of theirs ran
 _unsafe_modules: set[str] = set()  # packages whose import made a template unfit to fork
-_modules_at_last_look = -1  # len(sys.modules) when the current template last followed this process
 _lock = threading.Lock()
 _exit_hook_registered = False
 MAX_UNSAFE_TEMPLATES = 8  # each try leaves out one more package; a loop past this is a bug of ours
@@ -153,17 +152,16 @@ def shutdown_helper() -> None:
 
 
 def _follow(helper: WorkerHelper, *, wait: bool) -> None:
-    global _modules_at_last_look
     if _template_setting() == "bare":
         return
     with _lock:
         first = not helper.considered
         # After a cell that imported nothing (most cells), in O(1): this runs after every cell of
         # the notebook. A launch looks in full (a cell may have removed a module and added one).
-        if not wait and not first and helper is _current and len(sys.modules) == _modules_at_last_look:
+        if not wait and not first and len(sys.modules) == helper.modules_at_last_look:
             return
         names = modules_to_follow(helper.considered, _unsafe_modules)
-        _modules_at_last_look = len(sys.modules) if helper is _current else -1
+        helper.modules_at_last_look = len(sys.modules)
         if helper is _current:
             _freshness.add(names)
     # A launch with nothing new still waits for what earlier cells asked for, if any is unanswered.
@@ -182,7 +180,7 @@ def _ask_for_training_imports(helper: WorkerHelper) -> None:
 
 def _current_template() -> WorkerHelper:
     """The current template, replaced first if it died, went stale or unsafe (hold ``_lock``)."""
-    global _current, _freshness, _exit_hook_registered, _modules_at_last_look
+    global _current, _freshness, _exit_hook_registered
     if _current is not None and _current.poll_ready():
         _current.collect()  # notices its death (its socket closed) and an "unsafe" it sent
     if _current is not None and _current.unsafe is not None:
@@ -196,7 +194,6 @@ def _current_template() -> WorkerHelper:
             _exit_hook_registered = True
         _current = WorkerHelper()
         _freshness = Freshness.now()
-        _modules_at_last_look = -1
         if _template_setting() == "bare":  # nothing of the kernel's, but what every training rank needs
             _ask_for_training_imports(_current)
     return _current
