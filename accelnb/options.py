@@ -39,8 +39,10 @@ is one field here, with its ``option(...)`` metadata, plus its line in the keywo
 its scope below (a test fails if the two disagree), plus its use: for an option that reaches the
 ranks' environment, a field of ``RankOptions`` and its line in ``rank_environment``
 (``accelnb/kernel/planning/rank_environment.py``); for one a cluster backend reads, a field of
-``ClusterRequest`` and its use there. Every entry point, its signature, its docstring, the
-magic's flag and the road to its use follow from that.
+``ClusterRequest`` and its use there. An option that describes this machine only says in its
+metadata why a cluster launch refuses it (``not_on_a_cluster=``). Every entry point, its signature,
+its docstring, the magic's flag, the cluster refusal and the road to its use follow from that, and
+``tests/test_options.py`` fails for an option that nothing outside this module reads.
 
 Why ``**options: Unpack[...]`` rather than explicit keywords: written out, the 13 keywords were
 repeated in four signatures and four docstrings that drifted (the magic lacked ``fp8``). With
@@ -97,6 +99,7 @@ class OptionInfo:
     metavar: str | None = None  # the flag's value in the magic's help
     check: Callable[[str, Any], None] | None = None  # raises LaunchConfigError for a bad value
     fix: str = ""  # what to do instead, added to a bad-choice error
+    not_on_a_cluster: str = ""  # why a cluster launch refuses it (it describes this machine only); "": taken
 
 
 def option(help: str, scope: Scope, **details: Any) -> dict[str, OptionInfo]:
@@ -197,19 +200,22 @@ class LaunchOptions:
     gpus: GpuSpec = field(default=None, metadata=option(
         'GPUs as nvidia-smi numbers them ("0,1,3", "all") or their UUIDs; in code a list works '
         "too. Default: the picker's selection, else every visible GPU.",
-        "start", flag="--gpus", metavar="IDS", check=_gpu_selection))
+        "start", flag="--gpus", metavar="IDS", check=_gpu_selection,
+        not_on_a_cluster="it names GPUs of this machine; on a cluster Ray assigns them (use gpus_per_node=)"))
     num_processes: int | None = field(default=None, metadata=option(
         "number of ranks: CPU ranks (gloo) where there is no GPU, else the first N GPUs.",
         "start", flag="--procs", parse=int, metavar="N", check=_whole_number_at_least_one))
     gpus_per_rank: int = field(default=1, metadata=option(
         "GPUs each rank owns and sees as cuda:0, cuda:1, …, for a model spread over GPUs with "
         'device_map="auto": gpus="0,1", gpus_per_rank=2 is one rank. The selection must divide '
-        "evenly.", "start", flag="--gpus-per-rank", parse=int, metavar="N", check=_whole_number_at_least_one))
+        "evenly.", "start", flag="--gpus-per-rank", parse=int, metavar="N", check=_whole_number_at_least_one,
+        not_on_a_cluster="a cluster rank owns one GPU of Ray's assignment"))
     config_file: str | None = field(default=None, metadata=option(
         'an Accelerate config file (what `accelerate config` writes; "default" for its default '
         "path): its num_processes, gpu_ids, mixed_precision, distributed_type and FSDP, DeepSpeed "
         "and dynamo settings reach Accelerator() as `accelerate launch` would pass them. Keywords "
-        "given beside it win.", "start", flag="--config", metavar="PATH", check=_config_path))
+        "given beside it win.", "start", flag="--config", metavar="PATH", check=_config_path,
+        not_on_a_cluster="pass its settings (mixed_precision=, num_processes=) as keywords instead"))
     cpu: bool = field(default=False, metadata=option(
         "run num_processes=N CPU ranks even where there are GPUs.", "start", flag="--cpu"))
     backend: str | None = field(default=None, metadata=option(
@@ -218,7 +224,8 @@ class LaunchOptions:
         fix="nccl for GPUs, gloo for CPU, or leave it unset to choose automatically"))
     master_port: int | None = field(default=None, metadata=option(
         "rendezvous port on 127.0.0.1; default a free one.",
-        "start", flag="--port", parse=int, metavar="PORT", check=_port))
+        "start", flag="--port", parse=int, metavar="PORT", check=_port,
+        not_on_a_cluster="the rendezvous port is chosen free on rank 0's node"))
     mixed_precision: str | None = field(default=None, metadata=option(
         "mixed precision that Accelerator() sees in every rank.",
         "start", flag="--mixed-precision", choices=MIXED_PRECISION_MODES))
@@ -226,7 +233,7 @@ class LaunchOptions:
         "do not print the rank → device table at start.", "start", flag="--quiet"))
     inventory: Inventory | None = field(default=None, repr=False, metadata=option(
         "the GPUs to plan on; default read from NVML (tests and demos pass synthetic_inventory(8)).",
-        "start", check=_inventory))
+        "start", check=_inventory, not_on_a_cluster="the cluster's GPUs are Ray's to assign"))
     cluster: ClusterKind = field(default="local", metadata=option(
         '"local" runs the ranks on this machine; "ray" runs one Ray actor per rank across the nodes '
         "of the Ray cluster this kernel is connected to (ray.init(address=...), or RAY_ADDRESS), "
@@ -304,9 +311,10 @@ class LaunchOptions:
             raise LaunchConfigError(f"{given} places ranks on the nodes of a cluster; pass cluster=\"ray\" "
                                     "too, or leave it out to run on this machine.")
         if self.cluster != "local":
-            for name, why in _NOT_ON_A_CLUSTER.items():
-                if getattr(self, name) != _DEFAULTS[name]:
-                    raise LaunchConfigError(f"cluster={self.cluster!r} does not take {name}=: {why}.")
+            for each, info in described_fields():
+                if info.not_on_a_cluster and getattr(self, each.name) != each.default:
+                    raise LaunchConfigError(f"cluster={self.cluster!r} does not take {each.name}=: "
+                                            f"{info.not_on_a_cluster}.")
 
     def view(self, kind: type[View]) -> View:
         """``kind`` (a dataclass) with each field set to the option of its name (see
@@ -430,14 +438,6 @@ def names_in_scope(scope: Scope) -> frozenset[str]:
 
 
 _DEFAULTS = {each.name: each.default for each in fields(LaunchOptions)}
-# What describes this machine only, and so cannot apply to ranks placed on a cluster's nodes.
-_NOT_ON_A_CLUSTER = {
-    "gpus": "it names GPUs of this machine; on a cluster Ray assigns them (use gpus_per_node=)",
-    "gpus_per_rank": "a cluster rank owns one GPU of Ray's assignment",
-    "config_file": "pass its settings (mixed_precision=, num_processes=) as keywords instead",
-    "master_port": "the rendezvous port is chosen free on rank 0's node",
-    "inventory": "the cluster's GPUs are Ray's to assign",
-}
 
 
 def _check_value(each: Field[Any], info: OptionInfo, value: Any) -> None:

@@ -7,12 +7,14 @@ exception came.
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import inspect
 import os
 import typing
 from collections.abc import Callable
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -257,3 +259,36 @@ def test_the_pickers_selection_is_settled_once_and_a_session_keeps_it() -> None:
             assert session.options.gpus == (1, 3) and [r.gpu.index for r in session.plan.ranks if r.gpu] == [1, 3]
     finally:
         clear_selection()
+
+
+def attribute_reads_outside_the_options_module() -> set[str]:
+    """Every name read as an attribute (``x.name``) in accelnb's code, ``accelnb/options.py`` left out."""
+    package = Path(accelnb.__file__).parent
+    read: set[str] = set()
+    for path in package.rglob("*.py"):
+        if path == package / "options.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                read.add(node.attr)
+    return read
+
+
+def test_every_option_reaches_a_use_outside_its_declaration() -> None:
+    """An option is read by name from a view of the settled options (RankOptions, ClusterRequest,
+    CallSettings) or by code outside options.py; one declared and wired to nothing fails here."""
+    in_views = {each.name for view in (RankOptions, ClusterRequest, CallSettings) for each in fields(view)}
+    read = attribute_reads_outside_the_options_module()
+    declared = [each.name for each in fields(LaunchOptions)]
+    assert not [name for name in declared if name not in in_views and name not in read]
+    assert "an_option_nothing_reads" not in read  # the scan can tell
+
+
+@pytest.mark.parametrize(("given", "why"), [
+    ({"gpus": "0"}, "on a cluster Ray assigns them"),
+    ({"master_port": 29500}, "chosen free on rank 0's node"),
+    ({"config_file": "default"}, "as keywords instead"),
+])
+def test_a_cluster_launch_refuses_what_describes_this_machine_saying_why(given: dict[str, Any], why: str) -> None:
+    with pytest.raises(LaunchConfigError, match=rf"cluster='ray' does not take {next(iter(given))}=: .*{why}"):
+        LaunchOptions(cluster="ray", **given)
