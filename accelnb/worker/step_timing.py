@@ -19,6 +19,9 @@ the kernel compares ranks
 under ``no_grad``/``inference_mode``) counts its forwards apart, as ``forward_steps``: the kernel
 shows them only for a rank that takes no optimizer step, so a training run's evaluation does not
 inflate its step count. Code without DDP gets step times but no split.
+
+Module state, one of each per rank process: ``_step`` (the step in progress, the training thread's
+alone), ``_sums`` (what the flush takes, under its lock) and ``_installed``.
 """
 
 from __future__ import annotations
@@ -36,20 +39,42 @@ from accelnb.wire.events import StepWindow
 # event the kernel handles, and 4 a second per rank is plenty for a view redrawn once a second.
 WINDOW_INTERVAL_S = 0.25
 SWITCH_ENV = "ACCELNB_STEP_TIMING"  # "off": no step counting, no per-rank view, no straggler watch
-_lock = threading.Lock()
-_last_step_end: float | None = None
-_forward_start: float | None = None
-_forward_end: float | None = None
-# Since the last flush: steps, and the sums of their durations, data and forward times.
-_steps = 0
-_step_s = 0.0
-_data_s = 0.0
-_forward_s = 0.0
-_split_steps = 0  # how many of those steps had a DDP forward to split at
-_untimed_steps = 0  # the first step: counted, but nothing marks where it began
-_forward_steps = 0  # DDP forwards without autograd (inference), since the last flush
+
+
+class _StepInProgress:
+    """The step being taken: touched only by the thread that trains (the DDP forward and the
+    optimizer step run there), so it needs no lock."""
+
+    def __init__(self) -> None:
+        self.last_end: float | None = None  # perf_counter at the end of the last step
+        self.forward_start: float | None = None  # the step's first DDP forward (gradient accumulation: several)
+        self.forward_end: float | None = None
+
+
+class _Sums:
+    """What the steps since the last window added up to: written by the training thread, taken by
+    the report flush's thread, so only under ``lock``."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.steps = 0
+        self.step_s = 0.0
+        self.data_s = 0.0
+        self.forward_s = 0.0
+        self.split_steps = 0  # how many of those steps had a DDP forward to split at
+        self.untimed_steps = 0  # the first step: counted, but nothing marks where it began
+        self.forward_steps = 0  # DDP forwards without autograd (inference)
+        self.last_window = -float("inf")  # monotonic time the last window was taken
+
+    def reset(self) -> None:
+        self.steps, self.step_s, self.data_s, self.forward_s = 0, 0.0, 0.0, 0.0
+        self.split_steps, self.untimed_steps, self.forward_steps = 0, 0, 0
+
+
+# A rank is one process that trains one run: one step in progress, one set of sums, installed once.
+_step = _StepInProgress()
+_sums = _Sums()
 _installed = False
-_last_window = -float("inf")  # monotonic time the last window was taken
 
 
 def install() -> Callable[[], None] | None:
@@ -70,17 +95,16 @@ def install() -> Callable[[], None] | None:
 
     @functools.wraps(original_forward)
     def timed_forward(self: Any, *inputs: Any, **kwargs: Any) -> Any:
-        global _forward_start, _forward_end, _forward_steps
         started = time.perf_counter()
         if not grad_enabled():  # an inference step (no optimizer step will follow it)
-            with _lock:
-                _forward_steps += 1
-        if _forward_start is None:  # the first forward of the step (gradient accumulation: several)
-            _forward_start = started
+            with _sums.lock:
+                _sums.forward_steps += 1
+        if _step.forward_start is None:  # the first forward of the step (gradient accumulation: several)
+            _step.forward_start = started
         try:
             return original_forward(self, *inputs, **kwargs)
         finally:
-            _forward_end = time.perf_counter()
+            _step.forward_end = time.perf_counter()
 
     DistributedDataParallel.forward = timed_forward  # type: ignore[method-assign]
     _installed = True
@@ -95,35 +119,34 @@ def install() -> Callable[[], None] | None:
 
 
 def _after_optimizer_step(optimizer: Any, args: Any, kwargs: Any) -> None:
-    global _last_step_end, _forward_start, _forward_end, _steps, _step_s, _data_s, _forward_s, _split_steps
-    global _untimed_steps
     now = time.perf_counter()
-    with _lock:
-        if _last_step_end is None:  # the first step has no start to measure from
-            _untimed_steps += 1
+    step = _step
+    with _sums.lock:
+        if step.last_end is None:  # the first step has no start to measure from
+            _sums.untimed_steps += 1
         else:
-            _steps += 1
-            _step_s += now - _last_step_end
-            if _forward_start is not None and _forward_end is not None and _forward_start >= _last_step_end:
-                _split_steps += 1
-                _data_s += _forward_start - _last_step_end
-                _forward_s += _forward_end - _forward_start
-        _last_step_end = now
-        _forward_start = _forward_end = None
+            _sums.steps += 1
+            _sums.step_s += now - step.last_end
+            if step.forward_start is not None and step.forward_end is not None and step.forward_start >= step.last_end:
+                _sums.split_steps += 1
+                _sums.data_s += step.forward_start - step.last_end
+                _sums.forward_s += step.forward_end - step.forward_start
+    step.last_end = now
+    step.forward_start = step.forward_end = None
 
 
 def take_window(rank: int, at_most_every: float = 0.0) -> StepWindow | None:
     """What the steps since the last window added up to, or None when there was no step (or the
     last window is younger than ``at_most_every`` seconds)."""
-    global _steps, _step_s, _data_s, _forward_s, _split_steps, _untimed_steps, _forward_steps, _last_window
     now = time.monotonic()
-    if now - _last_window < at_most_every:
+    sums = _sums
+    if now - sums.last_window < at_most_every:
         return None
-    with _lock:
-        forwards, _forward_steps = _forward_steps, 0
-        if _steps == 0 and _untimed_steps == 0 and forwards == 0:
+    with sums.lock:
+        if sums.steps == 0 and sums.untimed_steps == 0 and sums.forward_steps == 0:
             return None
-        window = StepWindow(rank, _steps, _step_s, _split_steps, _data_s, _forward_s, _untimed_steps, forwards)
-        _last_window = now
-        _steps, _step_s, _data_s, _forward_s, _split_steps, _untimed_steps = 0, 0.0, 0.0, 0.0, 0, 0
+        window = StepWindow(rank, sums.steps, sums.step_s, sums.split_steps, sums.data_s, sums.forward_s,
+                            sums.untimed_steps, sums.forward_steps)
+        sums.last_window = now
+        sums.reset()
     return window
