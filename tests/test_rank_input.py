@@ -406,10 +406,16 @@ if __name__ == "__main__":
 """
 
 
-def test_a_script_reads_the_terminal(tmp_path: Path) -> None:
+@pytest.mark.parametrize("breakpoint_setting", [None, "ray.util.rpdb._driver_set_trace"],
+                         ids=["plain", "after-ray-init"])
+def test_a_script_reads_the_terminal(tmp_path: Path, breakpoint_setting: str | None) -> None:
+    """``after-ray-init``: ray.init() sets PYTHONBREAKPOINT to Ray's remote debugger in the process
+    that calls it, whose ranks inherit it; breakpoint() in a rank still prompts here."""
     script = tmp_path / "ask.py"
     script.write_text(SCRIPT)
     env = dict(os.environ, PYTHONPATH=str(REPO))
+    if breakpoint_setting is not None:
+        env["PYTHONBREAKPOINT"] = breakpoint_setting
     done = subprocess.run([sys.executable, str(script)], input="typed\np x\nc\n", capture_output=True,
                           text=True, env=env, cwd=str(tmp_path), timeout=120)
     assert done.returncode == 0, done.stderr

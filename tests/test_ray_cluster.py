@@ -14,6 +14,8 @@ found by the pids the start table printed, gone.
 from __future__ import annotations
 
 import ast
+import contextlib
+import queue
 import re
 import subprocess
 import sys
@@ -63,6 +65,7 @@ class CellRun:
     stderr: str = ""
     error: dict[str, Any] | None = None
     results: list[str] = field(default_factory=list)
+    prompts: list[str] = field(default_factory=list)
 
     @property
     def error_text(self) -> str:
@@ -88,14 +91,25 @@ class Notebook:
         self.client.start_channels()
         self.client.wait_for_ready(timeout=120)
 
-    def run(self, code: str, *, interrupt_after: str | None = None) -> CellRun:
-        """Run one cell; with ``interrupt_after``, press the stop button once stdout shows that text."""
-        msg_id = self.client.execute(code)
+    def run(self, code: str, *, interrupt_after: str | None = None, answers: tuple[str, ...] = ()) -> CellRun:
+        """Run one cell; with ``interrupt_after``, press the stop button once stdout shows that text;
+        the cell's prompts (``input()``, ``(Pdb)``) get ``answers`` in turn, and are kept in ``prompts``."""
+        msg_id = self.client.execute(code, allow_stdin=bool(answers))
         cell = CellRun()
         deadline = time.monotonic() + CELL_TIMEOUT_S
         interrupted = False
+        left = list(answers)
         while True:
-            message = self.client.get_iopub_msg(timeout=max(1.0, deadline - time.monotonic()))
+            if left:
+                with contextlib.suppress(queue.Empty):
+                    request = self.client.get_stdin_msg(timeout=0.05)
+                    cell.prompts.append(request["content"]["prompt"])
+                    self.client.input(left.pop(0))
+            try:
+                message = self.client.get_iopub_msg(timeout=0.2 if left else max(1.0, deadline - time.monotonic()))
+            except queue.Empty:
+                assert time.monotonic() < deadline, f"the cell did not end within {CELL_TIMEOUT_S} s: {cell}"
+                continue
             if message["parent_header"].get("msg_id") != msg_id:
                 continue
             kind, content = message["msg_type"], message["content"]
@@ -276,6 +290,72 @@ stuck.run(stuck_in_sleep, timeout=3)
     for rank in (0, 1):
         assert f"── rank {rank} ──" in text
         assert re.search(rf"\[rank {rank}\] .*in stuck_in_sleep", text), text
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
+UNTIL_STOPPED = """
+def until_stopped():
+    # A training loop that answers Stop: one collective a step, as DDP makes
+    import torch, torch.distributed as dist
+    step = 0
+    while not accelnb.stop_requested():
+        step += 1
+        dist.all_reduce(torch.ones(1))
+        if step == 5 and dist.get_rank() == 0:
+            print("stepping", flush=True)
+    return step
+"""
+
+
+def test_the_stop_button_is_a_request_that_code_which_checks_answers_at_one_step_on_both_nodes(
+        notebook: Notebook) -> None:
+    cell = notebook.run(UNTIL_STOPPED + """
+stopped = launch(until_stopped, num_processes=2, cluster="ray")
+print("stopped_by", stopped.stopped_by, "steps", stopped.values[0], stopped.values[1])
+""", interrupt_after="stepping")
+    assert cell.error is None, cell.error_text + cell.stdout + cell.stderr
+    assert "stop requested (the stop button)" in cell.stderr, cell.stderr
+    steps = re.search(r"stopped_by the stop button steps (\d+) (\d+)", cell.stdout)
+    assert steps is not None and steps.group(1) == steps.group(2) and int(steps.group(1)) >= 5, cell.stdout
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
+def test_a_timeout_is_a_stop_request_in_a_session_on_the_cluster_and_the_session_goes_on(notebook: Notebook) -> None:
+    cell = notebook.checked(UNTIL_STOPPED + """
+answering = Session.start(cluster="ray", num_processes=2)
+answering.run(os.getpid)   # set up and joined: the timeout below is the function's alone
+stopped = answering.run(until_stopped, timeout=4)
+print("stopped_by", stopped.stopped_by, "steps", stopped.values[0], stopped.values[1])
+print("goes on", answering.run(lambda: 1).values, answering.alive)
+answering.stop()
+""")
+    assert "stop requested (timeout= passed)" in cell.stderr, cell.stderr
+    steps = re.search(r"stopped_by timeout= passed steps (\d+) (\d+)", cell.stdout)
+    assert steps is not None and steps.group(1) == steps.group(2), cell.stdout
+    assert "goes on {0: 1, 1: 1} True" in cell.stdout, cell.stdout
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
+def test_input_and_pdb_on_rank_1_are_answered_from_the_cell(notebook: Notebook) -> None:
+    cell = notebook.run("""
+def asks_on_rank_1():
+    import torch.distributed as dist
+    answer = None
+    if dist.get_rank() == 1:
+        answer = input("name? ")
+        x = 40 + 2
+        breakpoint()
+        answer += "!"
+    dist.barrier()   # rank 0 waits here meanwhile, on the other node
+    return answer
+
+asked = launch(asks_on_rank_1, num_processes=2, cluster="ray")
+print("values", sorted(asked.values.items()))
+""", answers=("ray", "p x", "c"))
+    assert cell.error is None, cell.error_text + cell.stdout + cell.stderr
+    assert cell.prompts == ["[rank 1] name? ", "[rank 1] (Pdb) ", "[rank 1] (Pdb) "], cell.prompts
+    assert "[rank 1] 42" in cell.stdout, cell.stdout  # the debugger's p x, from the other node
+    assert "values [(0, None), (1, 'ray!')]" in cell.stdout, cell.stdout
     notebook.assert_nothing_left(table_pids(cell.stdout))
 
 

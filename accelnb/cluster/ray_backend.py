@@ -36,7 +36,7 @@ from accelnb.worker.ray_rank import RankActor
 
 PLACEMENT_WAIT_S = 120.0  # resources exist but are busy: how long to wait for them
 ACTORS_WAIT_S = 120.0  # actors start a fresh interpreter and import torch on their node
-ACTOR_CONCURRENCY = 4  # the call, its events poll, and stacks or an interrupt beside them
+ACTOR_CONCURRENCY = 6  # the call, its events poll, and stacks, an interrupt or a delivery beside them
 
 
 def check(request: ClusterRequest) -> None:

@@ -20,11 +20,17 @@ Endings, which leave no actor behind and, once the group closes, no placement gr
 - an interrupt: a session first interrupts the call on every rank and keeps the actors if all
   answer within a grace period; otherwise, and always for a one-shot launch, all are killed.
 
+A Stop (the stop button, a panel, ``timeout=``, SIGTERM) to code that checks
+``accelnb.stop_requested()`` is first a request, as for local ranks: each actor gets a
+``StopRequest`` through :meth:`RankActor.deliver`, which Ray runs beside the call, and the call
+ends when the ranks answer. A rank's ``input()`` or ``(Pdb)`` prompt is answered the same way.
+
 The payload goes into Ray's object store once (``ray.put``) and every actor reads it from there.
 
 What does not depend on Ray is shared with the local group (``kernel/run/group/``): a call's
 answers and the events both backends send (``call_answers``), the rank states displays follow
-(``rank_phases``), and waiting for a call and deciding what to stop at its end (``call_protocol``).
+(``rank_phases``), waiting for a call and deciding what to stop at its end (``call_protocol``),
+Stop presses and their announcement (``stop_presses``) and the ranks' prompts (``prompt_answers``).
 This module keeps what is Ray's: the actors, their polls, how an actor is lost and how it is
 killed, and stacks asked of the actors themselves.
 """
@@ -39,14 +45,16 @@ from accelnb.cluster.rank_layout import PlacedActor
 from accelnb.kernel.display.output import OutputRouter, notebook_sink
 from accelnb.kernel.planning.rank_plan import LaunchPlan
 from accelnb.kernel.run import run_state
-from accelnb.kernel.run.call_outcome import CallOutcome, Ending
+from accelnb.kernel.run.call_outcome import CallOutcome, Ending, StopSource
 from accelnb.kernel.run.failure_report import actor_lost_failure
 from accelnb.kernel.run.group.call_answers import CallAnswers, MetricSink, record_event
 from accelnb.kernel.run.group.call_protocol import CallProtocol, CallRanks, StopWhy
+from accelnb.kernel.run.group.prompt_answers import PromptAnswers
 from accelnb.kernel.run.group.rank_phases import RankPhases
 from accelnb.kernel.run.group.stall_report import stall_report
+from accelnb.kernel.run.group.stop_presses import announce_request
 from accelnb.wire.buffers import Packed
-from accelnb.wire.events import OutputChunk
+from accelnb.wire.events import InputReply, InputRequest, OutputChunk, StopRequest
 from accelnb.wire.spec import WorkerSpec
 
 POLL_WAIT_S = 0.2  # how long an actor holds an events poll open when it has nothing to send
@@ -86,11 +94,11 @@ class RayRankGroup:
             persistent=persistent, interrupt_grace=INTERRUPT_GRACE_S, size=lambda: len(self._actors),
             live_ranks=lambda: [rank for rank, alive in enumerate(self._alive) if alive],
             usable=lambda: self.usable, helper_death=lambda: None, pump=self._pump,
-            between_pumps=_run_wait_hooks, interrupt=lambda rank: self._actors[rank].interrupt.remote(),
+            between_pumps=self._between_pumps, interrupt=lambda rank: self._actors[rank].interrupt.remote(),
             stop=self._stop_for, stacks_at_timeout=lambda: self.collect_stacks(STACKS_WAIT_S),
             progress_at=lambda: self.output.progress_at, show_stall=self._show_stall,
-            # A Ray rank hears no stop request (no inbox): a Stop ends its ranks at once, as before.
-            request_stop=lambda answers: False, show_request=lambda by: None))
+            request_stop=self._request_stop, show_request=lambda by: announce_request(self.output, self.run, by)))
+        self._prompts = PromptAnswers(output, alive=lambda rank: self._alive[rank], reply=self._send_reply)
 
     @property
     def usable(self) -> bool:
@@ -111,18 +119,51 @@ class RayRankGroup:
         and ending it is the call protocol's (``kernel/run/group/call_protocol.py``)."""
         with self._driving:
             answers = self._calls.begin(ranks)
+            self._prompts.refuse_all("it asked between two cells, when no cell waits for input")
             ending: Ending
+            source: StopSource = "interrupt"
             try:
                 payload_ref = self._ray.put(payload)  # once into the object store, read by every actor
                 for rank, actor in enumerate(self._actors):
                     if self._alive[rank] and answers.runs_on(rank):
                         self._watched[actor.run.remote(answers.call_id, payload_ref, frozenset(value_ranks))] = \
                             (rank, "run")
-                waited = self._calls.wait(answers, timeout, self.run.stop_requested, stall_timeout)
-                ending = "interrupted" if waited == "stop_requested" else waited  # stop_source stays "interrupt"
+                run = self.run
+                waited = self._calls.wait(answers, timeout, run.stop_requested, stall_timeout, stop_grace,
+                                          asked_by=lambda: run.stop_asked_by)
+                if waited == "stop_requested":
+                    ending, source = "interrupted", "stop_request"
+                else:
+                    ending = waited
             except KeyboardInterrupt:
                 ending = "interrupted"
-            return self._calls.conclude(answers.outcome(ending, timeout), answers)
+            outcome = self._calls.conclude(answers.outcome(ending, timeout, stop_source=source), answers)
+            if outcome.workers_kept:
+                self._prompts.refuse_all("the cell ended before it could be asked")
+            return outcome
+
+    # ── what the kernel sends a running call: a stop request, a line of input ──────────────
+    def _request_stop(self, answers: CallAnswers) -> bool:
+        """Ask the call's ranks to stop at their next check (each actor hears it beside the call)."""
+        assert answers.call_id is not None
+        for rank, actor in enumerate(self._actors):
+            if self._alive[rank] and answers.runs_on(rank):
+                actor.deliver.remote(StopRequest(answers.call_id))
+        return True
+
+    def _send_reply(self, rank: int, reply: InputReply) -> None:
+        if self._alive[rank]:
+            self._actors[rank].deliver.remote(reply)
+
+    def _between_pumps(self, answers: CallAnswers) -> float:
+        """The wait loop's idle work: a rank's prompt first (the seconds at it come back), else
+        the display hooks. An actor sends a prompt after the output printed before it, so there
+        is nothing more to read first."""
+        if self._prompts:
+            return self._prompts.answer_next(answers, pump=lambda timeout: self._pump(timeout, answers),
+                                             drain=lambda rank: None)
+        run_state.run_wait_hooks()
+        return 0.0
 
     def _show_stall(self, quiet_for: float) -> None:
         stacks = self.collect_stacks(STACKS_WAIT_S)
@@ -159,9 +200,9 @@ class RayRankGroup:
     def _on_event(self, rank: int, event: Any, answers: CallAnswers) -> None:
         if isinstance(event, OutputChunk):
             self.output.feed(rank, "stderr" if event.stream == "stderr" else "stdout", event.data)
-        else:
-            record_event(answers, rank, self._placed[rank].pid, event, self._phases, self.output, self.metric_sink,
-                         persistent=self.persistent)
+        elif not record_event(answers, rank, self._placed[rank].pid, event, self._phases, self.output,
+                              self.metric_sink, persistent=self.persistent) and isinstance(event, InputRequest):
+            self._prompts.add(rank, event)
 
     def _on_actor_lost(self, rank: int, error: BaseException, answers: CallAnswers) -> None:
         if not self._alive[rank]:
@@ -255,12 +296,6 @@ class RayRankGroup:
             lines.append(f"  node {placed.address}  rank {spec.rank}  local rank {spec.local_rank}  {spec.device}  "
                          f"pid {placed.pid}  {'alive' if alive else 'gone'}")
         return "\n".join(lines)
-
-
-def _run_wait_hooks(answers: CallAnswers) -> float:
-    """The wait loop's idle work: the display hooks (no prompt reaches the kernel from an actor)."""
-    run_state.run_wait_hooks()
-    return 0.0
 
 
 def _why_actor_died(error: BaseException) -> str:

@@ -93,12 +93,19 @@ class RankPdb(pdb.Pdb):
         return kept, (kept.index(current) if current is not None else index)
 
 
+# What ray.init() puts into PYTHONBREAKPOINT of every Ray worker and of the driver (the kernel),
+# whatever the user chose: Ray's remote debugger, which waits for a client to attach. In a rank it
+# means "nothing chosen", so breakpoint() prompts in the cell as it does without Ray.
+RAYS_OWN_BREAKPOINTS = ("ray.util.rpdb.set_trace", "ray.util.rpdb._driver_set_trace")
+
+
 def breakpoint_hook(*args: Any, **kwargs: Any) -> Any:
-    """The rank's ``sys.breakpointhook``, honouring ``PYTHONBREAKPOINT`` as Python's own does."""
+    """The rank's ``sys.breakpointhook``, honouring ``PYTHONBREAKPOINT`` as Python's own does
+    (less Ray's own setting, see ``RAYS_OWN_BREAKPOINTS``)."""
     setting = os.environ.get("PYTHONBREAKPOINT", "")
     if setting == "0":
         return None
-    if setting not in ("", "pdb.set_trace"):
+    if setting not in ("", "pdb.set_trace", *RAYS_OWN_BREAKPOINTS):
         return sys.__breakpointhook__(*args, **kwargs)
     RankPdb().set_trace(sys._getframe(1))
     return None

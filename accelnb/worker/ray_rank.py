@@ -7,17 +7,19 @@ local worker writes to its pipes as events into a queue the kernel drains throug
 :meth:`RankActor.events`, a method Ray runs beside the call (``max_concurrency``). Everything that
 crosses the network is a Ray task argument or return value: no socket of ours carries pickle.
 
-    actor = ray.remote(RankActor).options(max_concurrency=4, ...).remote()
+    actor = ray.remote(RankActor).options(max_concurrency=6, ...).remote()
     facts = ray.get(actor.facts.remote())            # node address, interface, GPUs, pid
     port = ray.get(actor.reserve_port.remote(ip))    # rank 0 only: bound here, handed to its TCPStore
     actor.set_up.remote(spec)                        # joins the process group; errors become events
     actor.run.remote(call_id, payload, value_ranks)  # the payload: one object in Ray's store
+    actor.deliver.remote(StopRequest(call_id))       # beside the call: a Stop press, or a prompt's answer
     ray.get(actor.events.remote(0.2))                # output, metrics, result or error
 
 The function runs in the actor's call thread, not the process's main thread (Ray's own loop holds
 that one): a call is interrupted with an asynchronous ``KeyboardInterrupt`` in that thread
 (:meth:`interrupt`), and :meth:`stacks` reads every thread's stack with ``sys._current_frames``,
-which needs no signal.
+which needs no signal. What a local rank's inbox reader hands on (a stop request, the answer to an
+``input()`` or ``(Pdb)`` prompt) arrives through :meth:`deliver`, also beside the call.
 """
 
 from __future__ import annotations
@@ -40,9 +42,18 @@ from typing import Any
 
 from accelnb.wire import channel
 from accelnb.wire.buffers import Packed
-from accelnb.wire.events import CallError, CallResult, Joined, OutputChunk, RunCall
+from accelnb.wire.events import (
+    CallError,
+    CallResult,
+    InputReply,
+    InputRequest,
+    Joined,
+    OutputChunk,
+    RunCall,
+    StopRequest,
+)
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import library_progress, report, restarts, step_timing
+from accelnb.worker import library_progress, rank_debugger, rank_input, report, restarts, step_timing
 from accelnb.worker.other_launchers import launches_inside, process_group
 from accelnb.worker.rank_body import (
     chdir_quietly,
@@ -53,6 +64,8 @@ from accelnb.worker.rank_body import (
     run_call,
     start_flusher,
 )
+from accelnb.worker.stopping import accelerate_trigger
+from accelnb.worker.stopping import request as stop_request
 
 EVENTS_PER_POLL = 256  # one poll answer stays small under an output flood
 OUTPUT_SYNC_LIMIT_S = 1.0
@@ -77,14 +90,14 @@ class ActorFacts:
 
 class _EventQueue(channel.MessageWriter):
     """What ``worker/main.py`` sends on its events socket, put into this actor's queue instead.
-    A result or an error first waits for the output printed before it (``before_answer``)."""
+    A result, an error or a prompt first waits for the output printed before it (``before_answer``)."""
 
     def __init__(self, before_answer: Callable[[], None]) -> None:  # no socket: the kernel polls
         self.queue: queue.Queue[Any] = queue.Queue()
         self._before_answer = before_answer
 
     def send(self, message: Any) -> None:
-        if isinstance(message, (CallResult, CallError)):
+        if isinstance(message, (CallResult, CallError, InputRequest)):
             self._before_answer()
         self.queue.put(message)
 
@@ -148,7 +161,10 @@ class RankActor:
         install_streams()
         faulthandler.enable(file=2, all_threads=True)
         report.attach(self._events, spec.rank)
+        rank_input.attach(self._events, spec.rank, flush=flush_streams_and_metrics)  # input() asks the notebook
+        rank_debugger.attach()  # breakpoint() opens a (Pdb) prompt there
         restarts.attach(spec.restart_count)
+        stop_request.attach(self._events, spec.rank)  # a Stop press reaches code that checks stop_requested()
         start_flusher()
 
         import torch
@@ -161,6 +177,7 @@ class RankActor:
         launches_inside.place(spec)  # mp.spawn & co. run in place, or refuse
         step_timing.install()  # steps and where their time goes, for the straggler watch
         library_progress.install()  # rank 0's tqdm and rich bars become the cell's progress bar
+        accelerate_trigger.install()  # Accelerate's check_trigger() answers a Stop press too
 
     def _capture_output(self, rank: int) -> None:
         """Point fds 1 and 2 at pipes a thread reads: C and C++ output (gloo, NCCL) comes too,
@@ -215,6 +232,14 @@ class RankActor:
                 return
             except KeyboardInterrupt:  # it landed just before it could be dropped: it stopped nothing
                 continue
+
+    def deliver(self, message: StopRequest | InputReply) -> None:
+        """What a local rank's inbox reader hands on, sent beside the running call: a stop
+        request (read by the code's next ``stop_requested()``) or the answer to a prompt."""
+        if isinstance(message, StopRequest):
+            stop_request.deliver(message)
+        else:
+            rank_input.deliver(message)
 
     def events(self, wait: float) -> list[Any]:
         """What happened since the last poll; waits up to ``wait`` s for the first event."""

@@ -68,7 +68,7 @@ from accelnb.kernel.run.group.rank_inboxes import RankInboxes
 from accelnb.kernel.run.group.rank_phases import RankPhases
 from accelnb.kernel.run.group.rank_processes import RankProcess, RankProcesses
 from accelnb.kernel.run.group.stall_report import stall_report
-from accelnb.kernel.run.group.stop_presses import REQUEST_MESSAGE
+from accelnb.kernel.run.group.stop_presses import announce_request
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import InputReply, InputRequest, Joined
 from accelnb.wire.spec import WorkerSpec
@@ -223,11 +223,7 @@ class WorkerGroup:
         return self._inboxes.send_stop_request(answers.call_id, self._call_inboxes(answers))
 
     def _show_request(self, by: str) -> None:
-        self.output.tick(force=True)  # what the ranks printed before comes first
-        notebook_sink("stderr", REQUEST_MESSAGE.format(by=by))
-        if self.run is not None:  # the panels offer the second press
-            self.run.stop_pending = by
-            run_state.publish()
+        announce_request(self.output, self.run, by)
 
     def _between_pumps(self, answers: CallAnswers) -> float:
         """The wait loop's idle work: a rank's prompt first (the seconds at it come back), else

@@ -27,6 +27,9 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
 
+from accelnb.kernel.display.output import OutputRouter, notebook_sink
+from accelnb.kernel.run import run_state
+
 STOP_BUTTON = "the stop button"
 PANEL_STOP = "a panel's Stop"
 TIMEOUT_PASSED = "timeout= passed"
@@ -98,3 +101,13 @@ class StopPresses:
             yield
         finally:
             signal.signal(signal.SIGINT, previous)
+
+
+def announce_request(output: OutputRouter, run: run_state.RunState | None, by: str) -> None:
+    """Tell the cell that the ranks were asked to stop, and by what, after what they printed;
+    the panels then offer the second press. Local and Ray groups alike."""
+    output.tick(force=True)
+    notebook_sink("stderr", REQUEST_MESSAGE.format(by=by))
+    if run is not None:
+        run.stop_pending = by
+        run_state.publish()
