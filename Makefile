@@ -40,6 +40,7 @@ bench: setup
 	$(PY) benchmarks/run_all.py
 	$(PY) benchmarks/bench_session_cell.py  # a %%distributed cell vs a plain cell vs ipyparallel's %%px; session start
 	$(PY) benchmarks/bench_first_launch.py --write
+	$(PY) benchmarks/bench_accelerate_examples.py --write  # Accelerate's examples' style, in notebook order, against its launcher
 	$(PY) benchmarks/bench_data.py --write
 	$(PY) benchmarks/bench_torchrun.py --write  # %torchrun vs !torchrun in real kernels: first output, whole cell, Stop
 	$(PY) benchmarks/bench_stop.py --write  # what stop_requested() costs a step, and how soon a Stop is answered
