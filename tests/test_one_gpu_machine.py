@@ -1,5 +1,5 @@
-"""The suite on a machine with one GPU: one test of each way to start ranks, rerun in ``make test``
-under the synthetic inventory of one GPU (``ACCELNB_SYNTHETIC_GPUS=1``).
+"""The suite on a machine with GPUs: one test of each way to start ranks, rerun in ``make test``
+under the synthetic inventories of one and of four GPUs (``ACCELNB_SYNTHETIC_GPUS=1``, ``=4``).
 
 A test that means CPU ranks asks for them (``cpu=True``, ``--cpu``): on a machine with one GPU a
 launch of ``num_processes=2`` without it is refused (``GpuSelectionError: num_processes=2 asks
@@ -17,6 +17,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import REPO
 
 EACH_WAY_TO_START_RANKS = [
@@ -29,9 +31,10 @@ EACH_WAY_TO_START_RANKS = [
 EXPECTED_PASSES = len(EACH_WAY_TO_START_RANKS)
 
 
-def test_each_way_to_start_ranks_passes_on_a_machine_with_one_gpu() -> None:
+@pytest.mark.parametrize("gpus", ["1", "4"])
+def test_each_way_to_start_ranks_passes_on_a_machine_with_gpus(gpus: str) -> None:
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-                           *EACH_WAY_TO_START_RANKS], cwd=REPO, env=dict(os.environ, ACCELNB_SYNTHETIC_GPUS="1"),
+                           *EACH_WAY_TO_START_RANKS], cwd=REPO, env=dict(os.environ, ACCELNB_SYNTHETIC_GPUS=gpus),
                           capture_output=True, text=True, timeout=600)
     summary = done.stdout.strip().splitlines()[-1] if done.stdout.strip() else done.stderr
     assert done.returncode == 0, done.stdout[-6000:] + done.stderr[-2000:]

@@ -126,6 +126,22 @@ def test_collect_decides_whose_values_come_back() -> None:
     assert latest is not None and latest.values == {0: 0, 1: 1}
 
 
+def rank_0_answers_last() -> int:
+    import time
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        time.sleep(0.5)  # not a wait for anything: rank 1's answer arrives first
+    return dist.get_rank()
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_values_are_in_rank_order_whatever_order_the_ranks_answered_in() -> None:
+    values = launch(rank_0_answers_last, num_processes=2, cpu=True, quiet=True).values
+    assert list(values.items()) == [(0, 0), (1, 1)]  # so that printing them reads in rank order
+
+
 @pytest.mark.usefixtures("no_leftovers")
 def test_collect_and_output_through_a_session(capfd: pytest.CaptureFixture[str]) -> None:
     with Session.start(num_processes=2, cpu=True, quiet=True) as session:

@@ -193,7 +193,8 @@ def run_on_group(group: RankGroup, payload: Packed, settings: CallSettings, *, m
     global _last_result
 
     def result(values: dict[int, Any], error: BaseException | None, stopped_by: str | None = None) -> LaunchResult:
-        return LaunchResult(values=values, plan=group.plan, seconds=time.perf_counter() - started,
+        return LaunchResult(values=dict(sorted(values.items())),  # in rank order, not in the order they answered
+                            plan=group.plan, seconds=time.perf_counter() - started,
                             metrics=history, ranks=route.activity.summary(),
                             outputs={rank: group.output.text_since(rank, marks[rank]) for rank in ranks},
                             attempts=[Attempt.ended_by(route.attempt, started_at, error,
