@@ -192,6 +192,16 @@ def _run_cells(code_cells: Sequence[str], log: IO[str]) -> tuple[list[str], bool
     return printed, ok, True
 
 
+def _median_of_finished(runs: list[float]) -> float:
+    """The median of the runs that finished and printed their time (a failed run's is NaN)."""
+    finished = [s for s in runs if not math.isnan(s)]
+    return statistics.median(finished) if finished else math.nan
+
+
+def _shown(value: float) -> str:
+    return "–" if math.isnan(value) else f"{value:.2f}"
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=2, help="fresh kernels per case and launcher")
@@ -216,18 +226,19 @@ def main(argv: Sequence[str] | None = None) -> None:
             "| --- | --: | --: | --: | --- | --- |"]
     ratios = []
     for case in chosen:
-        ours, theirs = (statistics.median(seconds[case, name]) for name in LAUNCHERS)
+        ours, theirs = (_median_of_finished(seconds[case, name]) for name in LAUNCHERS)
         ratio = ours / theirs
-        ratios.append(ratio)
-        rows.append(f"| {case} | {ours:.2f} | {theirs:.2f} | {ratio:.2f}× | {noise[case, 'accelnb']}, "
+        if not math.isnan(ratio):
+            ratios.append(ratio)
+        rows.append(f"| {case} | {_shown(ours)} | {_shown(theirs)} | {_shown(ratio)}× | {noise[case, 'accelnb']}, "
                     f"{noise[case, 'Accelerate']} | {failed[case, 'accelnb']}, {failed[case, 'Accelerate']} |")
-    median_ratio = statistics.median(ratios)
+    median_ratio = statistics.median(ratios) if ratios else math.nan
     when = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     text = (f"{SECTION_TITLE}, {when}, {platform.node()}, {os.cpu_count()} CPUs\n\n"
             f"`python benchmarks/bench_accelerate_examples.py --repeats {opts.repeats}`: our own code in the style "
             f"of Accelerate's examples (data made in the function, models from small configs), fresh kernels, "
-            f"cells in a notebook's order, 2 CPU ranks; medians of {opts.repeats} runs each; load average "
-            f"{load_before:.1f} at start, {os.getloadavg()[0]:.1f} at end.\n\n" + "\n".join(rows) +
+            f"cells in a notebook's order, 2 CPU ranks; medians of the runs that finished, of {opts.repeats} each; "
+            f"load average {load_before:.1f} at start, {os.getloadavg()[0]:.1f} at end.\n\n" + "\n".join(rows) +
             f"\n\nMedian ratio over the cases: {median_ratio:.2f}× (target ≤ 1.0×: "
             f"{'meets' if median_ratio <= 1.0 else 'misses'}).\n")
     print(text)
