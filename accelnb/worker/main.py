@@ -15,8 +15,10 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
 3. runs calls from its inbox (one for ``notebook_launcher``, many in a persistent session),
    answering each with a value or the exception, both pickled so that the kernel can load them
    without touching CUDA (``wire/result_pickling.py``), the traceback without accelnb's frames;
-   how a call runs, like the streams and the group's join, is ``worker/rank_body.py``, which the
-   Ray actor (``worker/ray_rank.py``) shares;
+   how a call runs, like the streams, what the code reaches the notebook through
+   (``attach_to_kernel``) and the group's join (``join_the_run``), is ``worker/rank_body.py``,
+   which the Ray actor (``worker/ray_rank.py``) shares: this module keeps what is a local rank's
+   own (its inbox reader, its SIGTERM that flushes first);
 4. leaves on the kernel's Shutdown (sent once every rank answered), with ``os._exit``: the OS
    closes the group's sockets. End of file on the inbox means the kernel is gone: exit now.
 """
@@ -39,18 +41,17 @@ from typing import Any
 from accelnb.wire import channel
 from accelnb.wire.events import InputReply, Joined, RunCall, Shutdown, StopRequest
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import library_progress, rank_debugger, rank_input, report, restarts, step_timing
-from accelnb.worker.other_launchers import launches_inside, process_group
+from accelnb.worker import rank_input, report
 from accelnb.worker.rank_body import (
+    attach_to_kernel,
     chdir_quietly,
-    compile_in_process,
     describe_error,
     flush_streams_and_metrics,
     install_streams,
+    join_the_run,
     run_call,
     start_flusher,
 )
-from accelnb.worker.stopping import accelerate_trigger
 from accelnb.worker.stopping import request as stop_request
 
 SIGTERM_FLUSH_LIMIT_S = 1.0
@@ -124,24 +125,10 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     # Straight to fd 2, which survives a user replacing sys.stderr.
     faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)
-    report.attach(events, spec.rank)
-    rank_input.attach(events, spec.rank, flush=flush_streams_and_metrics)  # input() asks the notebook
-    rank_debugger.attach()  # breakpoint() opens a (Pdb) prompt there
-    restarts.attach(spec.restart_count)
-    stop_request.attach(events, spec.rank)  # a Stop press reaches code that checks stop_requested()
+    attach_to_kernel(events, spec.rank, spec.restart_count)
     _start_inbox_reader(inbox_fd, commands)
     flusher = start_flusher()
-
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(max(1, spec.threads_per_rank))
-    compile_in_process()
-    process_group.join_default_group(spec, store_fd, torch, dist)
-    launches_inside.place(spec)  # mp.spawn & co. run in place, or refuse
-    step_timing.install()  # steps and where their time goes, for the straggler watch
-    library_progress.install()  # rank 0's tqdm and rich bars become the cell's progress bar
-    accelerate_trigger.install()  # Accelerate's check_trigger() answers a Stop press too
+    join_the_run(spec, store_fd)
     return terminating, flusher
 
 

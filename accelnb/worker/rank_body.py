@@ -7,15 +7,19 @@ they receive calls and send events; everything else they do alike, with the func
 - the streams: fresh block-buffered ``sys.stdout``/``sys.stderr`` over fds 1 and 2
   (:func:`install_streams`), flushed with the metrics every 50 ms by a thread
   (:func:`start_flusher`) and at every end of a call (:func:`flush_streams_and_metrics`);
-- the rank's place: the kernel's working directory (:func:`chdir_quietly`), ``torch.compile``
-  in the rank (:func:`compile_in_process`); the default process group is ``worker/other_launchers/process_group.py``;
+- what the code reaches the notebook through (:func:`attach_to_kernel`: ``report()``, ``input()``,
+  ``breakpoint()``, ``restart_count()``, ``stop_requested()``), so a Ray rank can do all that a
+  local one can;
+- the rank's place: the kernel's working directory (:func:`chdir_quietly`), then
+  :func:`join_the_run`: torch's threads, ``torch.compile`` in the rank (:func:`compile_in_process`),
+  the default process group (``worker/other_launchers/process_group.py``) and what watches the code;
 - a call: the function run on the unpickled arguments, its value or its exception sent back
   as an event, the exception's traceback cut to the user's frames (:func:`run_call`,
   :func:`describe_error`).
 
     >>> events = channel.MessageWriter(sock)                    # doctest: +SKIP
-    >>> install_streams(); start_flusher()                      # doctest: +SKIP
-    >>> process_group.join_default_group(spec, store_fd, torch, dist)   # doctest: +SKIP
+    >>> install_streams(); attach_to_kernel(events, spec.rank, spec.restart_count)   # doctest: +SKIP
+    >>> start_flusher(); join_the_run(spec, store_fd)           # doctest: +SKIP
     >>> run_call(spec.rank, call, events)                       # doctest: +SKIP
 """
 
@@ -37,8 +41,10 @@ import cloudpickle
 from accelnb.wire import buffers, channel
 from accelnb.wire.events import CallError, CallResult, RunCall
 from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_kernel
-from accelnb.worker import rank_debugger, report
-from accelnb.worker.other_launchers import process_group
+from accelnb.wire.spec import WorkerSpec
+from accelnb.worker import library_progress, rank_debugger, rank_input, report, restarts, step_timing
+from accelnb.worker.other_launchers import launches_inside, process_group
+from accelnb.worker.stopping import accelerate_trigger
 from accelnb.worker.stopping import agreement as stop_agreement
 from accelnb.worker.stopping import request as stop_request
 
@@ -50,6 +56,36 @@ _CLOUDPICKLE_ROOT = os.path.dirname(os.path.abspath(cloudpickle.__file__)) + os.
 _RUNPY_FILES = ("<frozen runpy>", os.path.abspath(runpy.__file__))
 FLUSH_INTERVAL_S = 0.05
 STREAM_BUFFER_BYTES = 1 << 16
+
+
+def attach_to_kernel(events: channel.MessageWriter, rank: int, restart_count: int) -> None:
+    """What the rank's code reaches the notebook through, whatever started the rank: ``report()``,
+    ``input()`` and ``breakpoint()`` prompts, ``restart_count()`` and ``stop_requested()``. What
+    the kernel sends back (a prompt's answer, a stop request) is handed to ``rank_input.deliver``
+    and ``stop_request.deliver`` by the rank's own receiver: the inbox reader of a local rank,
+    ``RankActor.deliver`` of a Ray one."""
+    report.attach(events, rank)
+    rank_input.attach(events, rank, flush=flush_streams_and_metrics)
+    rank_debugger.attach()
+    restarts.attach(restart_count)
+    stop_request.attach(events, rank)
+
+
+def join_the_run(spec: WorkerSpec, store_fd: int | None) -> None:
+    """The rank's place in the run, once it is attached to the kernel: torch's threads, the default
+    process group, and what watches the code: launches inside the rank (``mp.spawn`` & co. run in
+    place, or refuse), step timing (for the per-rank view and the straggler watch), rank 0's
+    library progress bars, and Accelerate's ``check_trigger()`` answering a Stop press."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(max(1, spec.threads_per_rank))
+    compile_in_process()
+    process_group.join_default_group(spec, store_fd, torch, dist)
+    launches_inside.place(spec)
+    step_timing.install()
+    library_progress.install()
+    accelerate_trigger.install()
 
 
 def compile_in_process() -> None:

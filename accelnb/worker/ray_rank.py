@@ -53,18 +53,17 @@ from accelnb.wire.events import (
     StopRequest,
 )
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import library_progress, rank_debugger, rank_input, report, restarts, step_timing
-from accelnb.worker.other_launchers import launches_inside, process_group
+from accelnb.worker import rank_input
 from accelnb.worker.rank_body import (
+    attach_to_kernel,
     chdir_quietly,
-    compile_in_process,
     describe_error,
     flush_streams_and_metrics,
     install_streams,
+    join_the_run,
     run_call,
     start_flusher,
 )
-from accelnb.worker.stopping import accelerate_trigger
 from accelnb.worker.stopping import request as stop_request
 
 EVENTS_PER_POLL = 256  # one poll answer stays small under an output flood
@@ -160,24 +159,9 @@ class RankActor:
         self._capture_output(spec.rank)
         install_streams()
         faulthandler.enable(file=2, all_threads=True)
-        report.attach(self._events, spec.rank)
-        rank_input.attach(self._events, spec.rank, flush=flush_streams_and_metrics)  # input() asks the notebook
-        rank_debugger.attach()  # breakpoint() opens a (Pdb) prompt there
-        restarts.attach(spec.restart_count)
-        stop_request.attach(self._events, spec.rank)  # a Stop press reaches code that checks stop_requested()
+        attach_to_kernel(self._events, spec.rank, spec.restart_count)
         start_flusher()
-
-        import torch
-        import torch.distributed as dist
-
-        torch.set_num_threads(max(1, spec.threads_per_rank))
-        compile_in_process()
-        store_fd = self._store_socket.fileno() if self._store_socket is not None else None
-        process_group.join_default_group(spec, store_fd, torch, dist)
-        launches_inside.place(spec)  # mp.spawn & co. run in place, or refuse
-        step_timing.install()  # steps and where their time goes, for the straggler watch
-        library_progress.install()  # rank 0's tqdm and rich bars become the cell's progress bar
-        accelerate_trigger.install()  # Accelerate's check_trigger() answers a Stop press too
+        join_the_run(spec, self._store_socket.fileno() if self._store_socket is not None else None)
 
     def _capture_output(self, rank: int) -> None:
         """Point fds 1 and 2 at pipes a thread reads: C and C++ output (gloo, NCCL) comes too,
