@@ -21,6 +21,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from types import FrameType
@@ -28,6 +29,11 @@ from types import FrameType
 from accelnb.kernel.run import run_state
 
 PRESSED_BY = "SIGTERM"
+# A Jupyter kernel's flush hands the cell's last lines to zmq, whose own I/O thread writes them to
+# the socket afterwards; a process that dies of SIGTERM right after the flush loses them (the
+# "stopped as asked" line, once in a full test run). The kernel waits this long before dying, as a
+# zmq socket's linger would: well inside the seconds a sender of SIGTERM gives before SIGKILL.
+LAST_LINES_LINGER_S = 0.5
 
 
 @contextmanager
@@ -53,4 +59,5 @@ def sigterm_as_stop() -> Iterator[None]:
             for stream in (sys.stdout, sys.stderr):  # a kernel's streams are buffered: the cell's last lines
                 with contextlib.suppress(Exception):
                     stream.flush()
+            time.sleep(LAST_LINES_LINGER_S)
             os.kill(os.getpid(), signal.SIGTERM)  # the kernel's own handling, now that no rank is left
