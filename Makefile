@@ -18,8 +18,12 @@ lint: setup
 typecheck: setup
 	.venv/bin/mypy
 
+# Two test files at a time on a 2-core machine (a test waits on kernels and ranks as much as it
+# computes: 24 minutes one at a time, 14 two at a time), at most four on a bigger one (each worker
+# starts kernels that import torch). A file stays on one worker: its module fixtures (a Ray
+# cluster, a kernel) start once.
 test: setup lint typecheck
-	$(PY) -m pytest -q --durations=25  # the slowest tests, to keep `make test` near 12 minutes
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25  # the slowest tests, to keep `make test` near 12 minutes
 
 # The GPU tier (tests/gpu/ and the other tests marked gpu): real CUDA on this machine's GPUs. A test
 # that needs more GPUs than there are is skipped, and -rs lists each skip with the count it needs.

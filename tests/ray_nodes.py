@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from types import TracebackType
@@ -61,6 +62,7 @@ class NamespaceCluster:
         self.addresses = addresses
         self.workdir = workdir
         self.nodes: list[subprocess.Popen[bytes]] = []
+        self.temp_dirs: list[Path] = []  # the nodes' --temp-dir, removed by stop()
 
     # ── namespaces ──────────────────────────────────────────────────────────────────────────
     @classmethod
@@ -108,8 +110,10 @@ class NamespaceCluster:
         for index in range(len(self.names)):
             where = (["--head", "--port=6379", "--include-dashboard=false"] if index == 0
                      else [f"--address={self.head_address}"])
-            temp_dir = self.workdir / f"ray{index}"
-            temp_dir.mkdir(parents=True, exist_ok=True)
+            # Short, under /tmp: Ray puts its sockets in the temp dir, and a socket's path must fit in
+            # 107 bytes (a pytest-xdist worker's tmp_path alone takes 50).
+            temp_dir = Path(tempfile.mkdtemp(prefix=f"anb-ray{index}-", dir="/tmp"))
+            self.temp_dirs.append(temp_dir)
             # No log monitor: accelnb forwards each rank's output itself.
             command = [RAY, "start", "--block", *where, f"--num-cpus={cpus}", "--num-gpus=0",
                        f"--node-ip-address={self.addresses[index]}", f"--temp-dir={temp_dir}",
@@ -153,6 +157,8 @@ class NamespaceCluster:
             node.wait(timeout=10)
         for name in self.names:
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
+        for temp_dir in self.temp_dirs:
+            shutil.rmtree(temp_dir, ignore_errors=True)
 
     def _kill_inside(self, names: list[str]) -> None:
         for _ in range(100):
