@@ -432,6 +432,51 @@ node_rank = int(os.environ["NODE_RANK"])
     notebook.assert_nothing_left(table_pids(cell.stdout))
 
 
+def test_max_restarts_starts_every_rank_again_across_both_nodes(notebook: Notebook) -> None:
+    # A rank that fails once (a node that lost its data): the whole group starts again, each
+    # rank reading its attempt from restart_count(), as torchrun's --max-restarts does.
+    cell = notebook.checked("""
+def fails_once_on_node_2():
+    import torch.distributed as dist
+    attempt = accelnb.restart_count()
+    if attempt == 0 and dist.get_rank() == 1:
+        raise RuntimeError("lost the shard on " + ray.util.get_node_ip_address())
+    dist.barrier()
+    return attempt, ray.util.get_node_ip_address()
+
+again = launch(fails_once_on_node_2, num_processes=2, cluster="ray", max_restarts=1)
+print("attempts", sorted((rank, value[0]) for rank, value in again.values.items()),
+      "nodes", len({value[1] for value in again.values.values()}))
+""")
+    assert "attempts [(0, 1), (1, 1)] nodes 2" in cell.stdout, cell.stdout + cell.stderr
+    assert "lost the shard on 10.77.0." in cell.stdout + cell.stderr, cell.stdout + cell.stderr  # said, then restarted
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
+TORCHRUN_SCRIPT = """
+import os, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.tensor([float(os.environ["NODE_RANK"])])
+dist.all_reduce(total)
+if dist.get_rank() == 0:
+    print("node ranks sum to", total.item(), "world", dist.get_world_size())
+dist.destroy_process_group()
+"""
+
+
+def test_torchrun_runs_a_torchrun_script_unchanged_on_the_cluster(notebook: Notebook,
+                                                                  cluster: NamespaceCluster) -> None:
+    # Written as torchrun scripts are: the group from the environment, a collective, rank 0
+    # prints. %torchrun with --cluster ray spreads its ranks over the nodes.
+    script = cluster.workdir / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    notebook.checked("%load_ext accelnb")
+    cell = notebook.checked(f"%torchrun --cluster ray --nproc-per-node 2 {script}")
+    assert "node ranks sum to 1.0 world 2" in cell.stdout, cell.stdout + cell.stderr
+    assert "node 10.77.0.1 (accel0)" in cell.stdout and "node 10.77.0.2 (accel0)" in cell.stdout, cell.stdout
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
 # ── before anything starts ──────────────────────────────────────────────────────────────────────
 LAUNCH_SCRIPT = """
 import sys
