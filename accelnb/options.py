@@ -119,8 +119,8 @@ def _whole_number_at_least(minimum: int) -> Callable[[str, Any], None]:
     return check
 
 
-_whole_number_at_least_one = _whole_number_at_least(1)
-_whole_number_at_least_zero = _whole_number_at_least(0)
+_AT_LEAST_ONE = _whole_number_at_least(1)
+_AT_LEAST_ZERO = _whole_number_at_least(0)
 
 
 def _positive_seconds(name: str, value: Any) -> None:
@@ -204,11 +204,11 @@ class LaunchOptions:
         not_on_a_cluster="it names GPUs of this machine; on a cluster Ray assigns them (use gpus_per_node=)"))
     num_processes: int | None = field(default=None, metadata=option(
         "number of ranks: CPU ranks (gloo) where there is no GPU, else the first N GPUs.",
-        "start", flag="--procs", parse=int, metavar="N", check=_whole_number_at_least_one))
+        "start", flag="--procs", parse=int, metavar="N", check=_AT_LEAST_ONE))
     gpus_per_rank: int = field(default=1, metadata=option(
         "GPUs each rank owns and sees as cuda:0, cuda:1, …, for a model spread over GPUs with "
         'device_map="auto": gpus="0,1", gpus_per_rank=2 is one rank. The selection must divide '
-        "evenly.", "start", flag="--gpus-per-rank", parse=int, metavar="N", check=_whole_number_at_least_one,
+        "evenly.", "start", flag="--gpus-per-rank", parse=int, metavar="N", check=_AT_LEAST_ONE,
         not_on_a_cluster="a cluster rank owns one GPU of Ray's assignment"))
     config_file: str | None = field(default=None, metadata=option(
         'an Accelerate config file (what `accelerate config` writes; "default" for its default '
@@ -242,11 +242,11 @@ class LaunchOptions:
         fix='"ray" for a Ray cluster, or leave it unset for this machine'))
     nodes: int | None = field(default=None, metadata=option(
         'cluster="ray": spread the ranks over exactly N nodes, the same number on each.',
-        "start", flag="--nodes", parse=int, metavar="N", check=_whole_number_at_least_one))
+        "start", flag="--nodes", parse=int, metavar="N", check=_AT_LEAST_ONE))
     gpus_per_node: int | None = field(default=None, metadata=option(
         'cluster="ray": GPU ranks per node (one GPU each, from Ray\'s assignment); with nodes=N, '
         "N × this many ranks.",
-        "start", flag="--gpus-per-node", parse=int, metavar="N", check=_whole_number_at_least_one))
+        "start", flag="--gpus-per-node", parse=int, metavar="N", check=_AT_LEAST_ONE))
 
     group_timeout: float | None = field(default=None, metadata=option(
         "seconds a collective (all_reduce, barrier) of the group accelnb makes may wait for the "
@@ -294,7 +294,7 @@ class LaunchOptions:
     max_restarts: int = field(default=0, metadata=option(
         "when a rank fails, stop every rank and start them all again, up to N times; the function "
         "reads its attempt from accelnb.restart_count() or TORCHELASTIC_RESTART_COUNT.",
-        "launch", flag="--max-restarts", parse=int, metavar="N", check=_whole_number_at_least_zero))
+        "launch", flag="--max-restarts", parse=int, metavar="N", check=_AT_LEAST_ZERO))
     restart_delay: float = field(default=0.0, metadata=option(
         "seconds to wait before each restart (timeout= covers every attempt and these waits).",
         "launch", flag="--restart-delay", parse=float, metavar="SECONDS", check=_seconds_at_least_zero))

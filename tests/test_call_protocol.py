@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +15,8 @@ from dataclasses import dataclass, field
 from accelnb.errors import RankFailure
 from accelnb.kernel.run.group.call_answers import CallAnswers
 from accelnb.kernel.run.group.call_protocol import CallProtocol, CallRanks, StopWhy
-from accelnb.kernel.run.group.stop_presses import SAME_PRESS_S
+from accelnb.kernel.run.group.stop_presses import PANEL_STOP, SAME_PRESS_S
+from accelnb.kernel.run.run_state import RunState
 
 
 @dataclass
@@ -70,6 +70,11 @@ class FakeRanks:
         return stopped
 
 
+def a_run() -> RunState:
+    """A run a panel, a sweep or SIGTERM presses Stop on, from any thread."""
+    return RunState(run_id=1, ranks=[])
+
+
 def failure(rank: int) -> RankFailure:
     return RankFailure(rank, 100 + rank, "exception", "ValueError: bad")
 
@@ -78,7 +83,7 @@ def test_every_rank_answering_ends_the_call_with_nothing_stopped() -> None:
     ranks = FakeRanks(answers_on_pump={0: b"a", 1: b"b"})
     protocol = CallProtocol(ranks.port())
     answers = protocol.begin(None)
-    assert protocol.wait(answers, None, threading.Event()) == "answered"
+    assert protocol.wait(answers, None, a_run().take_stop_press) == "answered"
     outcome = protocol.conclude(answers.outcome("answered", None), answers)
     assert (outcome.values, ranks.stops, outcome.workers_kept) == ({0: b"a", 1: b"b"}, [], True)
 
@@ -143,10 +148,11 @@ def test_an_interrupt_while_stopping_stops_at_once() -> None:
 
 def test_a_stop_request_is_taken_once() -> None:
     protocol = CallProtocol(FakeRanks().port())
-    requested = threading.Event()
-    requested.set()
-    assert protocol.wait(protocol.begin(None), None, requested) == "stop_requested"
-    assert not requested.is_set()
+    run = a_run()
+    run.press_stop(PANEL_STOP)
+    assert run.stop_pressed
+    assert protocol.wait(protocol.begin(None), None, run.take_stop_press) == "stop_requested"
+    assert not run.stop_pressed and run.take_stop_press() is None
 
 
 def test_a_failure_seen_between_calls_is_the_next_calls_root_cause() -> None:
@@ -202,11 +208,11 @@ def _press_stop_button(answers: CallAnswers) -> None:
 
 
 def test_a_panel_stop_while_the_code_checks_is_a_request_the_ranks_answer() -> None:
-    stop = threading.Event()
-    ranks = FakeRanks(on_pump=[_checks, lambda answers: stop.set(), _nothing, _answer])
+    run = a_run()
+    ranks = FakeRanks(on_pump=[_checks, lambda answers: run.press_stop(PANEL_STOP), _nothing, _answer])
     protocol = CallProtocol(ranks.port())
     answers = protocol.begin(None)
-    assert protocol.wait(answers, None, stop, stop_grace=30.0, asked_by=lambda: "a panel's Stop") == "answered"
+    assert protocol.wait(answers, None, run.take_stop_press, stop_grace=30.0) == "answered"
     outcome = protocol.conclude(answers.outcome("answered", None), answers)
     assert (ranks.stop_requests, ranks.requests_shown, ranks.stops) == (1, ["a panel's Stop"], [])
     assert outcome.stop_asked_by == "a panel's Stop" and outcome.stop_seconds is not None
@@ -214,28 +220,31 @@ def test_a_panel_stop_while_the_code_checks_is_a_request_the_ranks_answer() -> N
 
 
 def test_a_stop_for_code_that_does_not_check_stops_at_once() -> None:
-    stop = threading.Event()
-    ranks = FakeRanks(on_pump=[lambda answers: stop.set()])
+    run = a_run()
+    ranks = FakeRanks(on_pump=[lambda answers: run.press_stop(PANEL_STOP)])
     protocol = CallProtocol(ranks.port())
     answers = protocol.begin(None)
-    assert protocol.wait(answers, None, stop, stop_grace=30.0) == "stop_requested"
+    assert protocol.wait(answers, None, run.take_stop_press, stop_grace=30.0) == "stop_requested"
     assert ranks.stop_requests == 0 and answers.outcome("interrupted", None).stop_asked_by is None
 
 
 def test_a_second_press_stops_now() -> None:
-    stop = threading.Event()
-    ranks = FakeRanks(on_pump=[_checks, lambda answers: stop.set(), _a_person_waits, lambda answers: stop.set()])
+    run = a_run()
+    def press(answers: CallAnswers) -> None:
+        run.press_stop(PANEL_STOP)
+
+    ranks = FakeRanks(on_pump=[_checks, press, _a_person_waits, press])
     protocol = CallProtocol(ranks.port())
-    assert protocol.wait(protocol.begin(None), None, stop, stop_grace=30.0) == "stop_requested"
+    assert protocol.wait(protocol.begin(None), None, run.take_stop_press, stop_grace=30.0) == "stop_requested"
     assert ranks.stop_requests == 1
 
 
 def test_ranks_that_do_not_answer_within_the_grace_are_stopped() -> None:
-    stop = threading.Event()
-    ranks = FakeRanks(on_pump=[_checks, lambda answers: stop.set()])
+    run = a_run()
+    ranks = FakeRanks(on_pump=[_checks, lambda answers: run.press_stop(PANEL_STOP)])
     protocol = CallProtocol(ranks.port())
     started = time.monotonic()
-    assert protocol.wait(protocol.begin(None), None, stop, stop_grace=0.3) == "stop_requested"
+    assert protocol.wait(protocol.begin(None), None, run.take_stop_press, stop_grace=0.3) == "stop_requested"
     assert 0.3 <= time.monotonic() - started < 20  # the grace, not forever (these ranks never answer)
     assert ranks.stop_requests == 1
 
@@ -246,7 +255,7 @@ def test_the_stop_button_is_a_request_first_and_a_keyboard_interrupt_second() ->
     answers = protocol.begin(None)
     before = signal.getsignal(signal.SIGINT)
     try:
-        protocol.wait(answers, None, threading.Event(), stop_grace=30.0)
+        protocol.wait(answers, None, a_run().take_stop_press, stop_grace=30.0)
         raise AssertionError("the second press did not interrupt")
     except KeyboardInterrupt:
         pass
@@ -255,16 +264,16 @@ def test_the_stop_button_is_a_request_first_and_a_keyboard_interrupt_second() ->
 
 
 def test_one_click_arriving_as_a_comm_message_and_an_interrupt_is_one_press() -> None:
-    stop = threading.Event()
+    run = a_run()
 
     def both_ways(answers: CallAnswers) -> None:  # the JupyterLab panel's Stop
-        stop.set()
+        run.press_stop(PANEL_STOP)
         os.kill(os.getpid(), signal.SIGINT)
 
     ranks = FakeRanks(on_pump=[_checks, both_ways, _nothing, _nothing, _answer])
     protocol = CallProtocol(ranks.port())
     answers = protocol.begin(None)
-    assert protocol.wait(answers, None, stop, stop_grace=30.0) == "answered"
+    assert protocol.wait(answers, None, run.take_stop_press, stop_grace=30.0) == "answered"
     assert ranks.stop_requests == 1
 
 
@@ -272,7 +281,7 @@ def test_the_stop_button_for_code_that_does_not_check_interrupts_at_once() -> No
     ranks = FakeRanks(on_pump=[_press_stop_button])
     protocol = CallProtocol(ranks.port())
     try:
-        protocol.wait(protocol.begin(None), None, threading.Event(), stop_grace=30.0)
+        protocol.wait(protocol.begin(None), None, a_run().take_stop_press, stop_grace=30.0)
         raise AssertionError("the press did not interrupt")
     except KeyboardInterrupt:
         pass

@@ -230,7 +230,7 @@ from accelnb.kernel.run import run_state
 if "panel" in globals():
     panel.close()  # the last panel closed: the launcher no longer lets comm messages through
 bare_stop = ipywidgets.Button(description="Stop")
-bare_stop.on_click(lambda _button: print("click handled; stop accepted:", run_state.request_stop()))
+bare_stop.on_click(lambda _button: print("click handled; stop accepted:", run_state.request_stop("a panel's Stop")))
 print(json.dumps({"stop": bare_stop.model_id}))
 """
 

@@ -26,6 +26,7 @@ import torch
 
 import accelnb
 from accelnb.kernel.run import run_state
+from accelnb.kernel.run.group.stop_presses import PANEL_STOP
 from accelnb.kernel.run.launch_result import LaunchResult
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -64,7 +65,7 @@ class PressStopAfter:
             os.kill(os.getpid(), signal.SIGINT)
             self.pressed = True
         else:
-            self.pressed = run_state.request_stop()
+            self.pressed = run_state.request_stop(PANEL_STOP)
 
     def __enter__(self) -> PressStopAfter:
         self._thread.start()

@@ -3,7 +3,7 @@ asks every rank to stop at the same step; the code saves and returns; the next l
 
 Real ranks, real gloo, a DDP loop written as the tutorial writes one (``tests/stop_targets.py``).
 The presses are the real ones: SIGINT to this process (the kernel's stop button, as the launch's
-wait loop sees it), ``run_state.request_stop()`` (what the panels' Stop calls), SIGTERM to a
+wait loop sees it), ``run_state.request_stop(PANEL_STOP)`` (what the panels' Stop calls), SIGTERM to a
 script, ``timeout=``, and a real kernel's interrupt. A press waits for the run's own ``report()``
 of a chosen step (the launch's metric sink), never for a time.
 """
@@ -29,7 +29,7 @@ import torch
 import accelnb
 from accelnb import RunInterrupted, Session
 from accelnb.kernel.run import run_state
-from accelnb.kernel.run.group.stop_presses import SAME_PRESS_S
+from accelnb.kernel.run.group.stop_presses import PANEL_STOP, SAME_PRESS_S
 from tests.conftest import start_repo_kernel
 from tests.stop_targets import train_saving_every, train_until_stopped
 
@@ -56,7 +56,7 @@ class PressAtStep:
         if self.how == "stop button":
             os.kill(os.getpid(), signal.SIGINT)  # what the kernel's stop button sends
         else:
-            run_state.request_stop()  # what a panel's Stop calls
+            run_state.request_stop(PANEL_STOP)  # what a panel's Stop calls
 
 
 def saved_step(checkpoints: Path) -> int:
@@ -126,7 +126,7 @@ def test_a_second_press_stops_ranks_that_do_not_stop_at_once(tmp_path: Path) -> 
         while (run := run_state.current_run()) is not None and not run.finished:
             if run.stop_pending is not None:
                 time.sleep(SAME_PRESS_S)  # a person's second press, not the first click arriving twice
-                run_state.request_stop()
+                run_state.request_stop(PANEL_STOP)
                 return
             time.sleep(0.05)
 

@@ -22,6 +22,7 @@ import pytest
 import accelnb
 from accelnb import LaunchConfigError, RankFailed, RunInterrupted, synthetic_inventory
 from accelnb.kernel.run import run_state
+from accelnb.kernel.run.group.stop_presses import PANEL_STOP
 from accelnb.kernel.sweep.slots import Slot, cpu_slots, default_cpu_concurrency, gpu_slots
 from accelnb.kernel.sweep.sweep_state import current_sweep, on_sweep_change
 from accelnb.kernel.sweep.trials import Trial, Trials
@@ -270,7 +271,7 @@ def _interrupt_when_marked(*marks: Path, stop_request: bool = False) -> Any:
         if not fired and all(mark.exists() for mark in marks):
             fired.append(time.monotonic())
             if stop_request:
-                run_state.request_stop()
+                run_state.request_stop(PANEL_STOP)
             else:
                 os.kill(os.getpid(), signal.SIGINT)  # what the kernel's stop button sends
 

@@ -129,8 +129,7 @@ class RayRankGroup:
                         self._watched[actor.run.remote(answers.call_id, payload_ref, frozenset(value_ranks))] = \
                             (rank, "run")
                 run = self.run
-                waited = self._calls.wait(answers, timeout, run.stop_requested, stall_timeout, stop_grace,
-                                          asked_by=lambda: run.stop_asked_by)
+                waited = self._calls.wait(answers, timeout, run.take_stop_press, stall_timeout, stop_grace)
                 if waited == "stop_requested":
                     ending, source = "interrupted", "stop_request"
                 else:

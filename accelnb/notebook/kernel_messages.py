@@ -33,6 +33,11 @@ thread concurrently with every cell, not only during launches.
 Outside a kernel, off the main thread, or in a kernel built differently (ipykernel 6, no shell
 channel thread) the hook does nothing and :func:`comm_messages_supported` says so: the panel
 then tells the user to stop the run with the kernel's interrupt button instead.
+
+Module-level state, one per kernel, since there is one shell and one event loop: ``_route_cache``
+(the main shell's route, found once, by kernel id), ``_pending`` (dispatches in flight, kept from
+the garbage collector), ``_dispatching`` (a dispatch runs now: no re-entry), and the pre-execute
+hook shared by every user: ``_hook_users``, ``_hook_lock`` and ``_unregister_hook``.
 """
 
 from __future__ import annotations

@@ -82,6 +82,9 @@ panel's refusals read exactly as a launch's would.
 If the target is not registered (accelnb not loaded), ipykernel closes the panel's comm at
 once. The panel avoids that by asking first with a silent ``user_expressions`` probe that
 calls :func:`is_registered`.
+
+Module-level state: ``_panels``, the side panels connected to this kernel, and ``_history``, the
+GPUs' utilization over time, which every panel of the kernel shows alike (one machine, one history).
 """
 
 from __future__ import annotations
@@ -98,6 +101,7 @@ import comm
 from accelnb.kernel.planning.inventory import Inventory, InventorySource, read_inventory
 from accelnb.kernel.planning.rank_plan import plan
 from accelnb.kernel.run import run_state
+from accelnb.kernel.run.group.stop_presses import PANEL_STOP
 from accelnb.kernel.run.live_stacks import DEFAULT_WAIT_S, NO_DUMP
 from accelnb.kernel.sweep import sweep_state
 from accelnb.kernel.watched_state import selection
@@ -270,7 +274,7 @@ class PanelConnection:
             elif kind == "watch":
                 self._reads.repeat(WATCH_INTERVAL_S if data.get("on") else None)
             elif kind == "stop":
-                run_state.request_stop()
+                run_state.request_stop(PANEL_STOP)
                 self.send_state()
             elif kind == "stacks":
                 threading.Thread(target=self._send_stacks, name="accelnb-lab-stacks", daemon=True).start()

@@ -45,6 +45,7 @@ import ipywidgets as widgets
 
 from accelnb.kernel.planning.inventory import GpuInfo, Inventory, read_inventory
 from accelnb.kernel.run import run_state
+from accelnb.kernel.run.group.stop_presses import PANEL_STOP
 from accelnb.kernel.run.live_stacks import DEFAULT_WAIT_S, StackDump
 from accelnb.kernel.watched_state.selection import (
     Selection,
@@ -264,7 +265,7 @@ class Panel(widgets.VBox):
                 row.detail.value = state.detail
             self.run_box.layout.display = None
             self.run_title.value = _run_title(run)
-            stopping = run.stop_requested.is_set()
+            stopping = run.stop_pressed
             self.stop_button.disabled = run.finished or stopping
             self.stop_button.description = "Stopping…" if stopping and not run.finished else "Stop run"
             if run.stop_pending is not None and not run.finished and not stopping:  # the ranks are saving
@@ -276,7 +277,7 @@ class Panel(widgets.VBox):
                                     "Kernel ▸ Interrupt.</small>" if unsupported and not run.finished else "")
 
     def _on_stop_click(self, _button: widgets.Button) -> None:
-        if run_state.request_stop():
+        if run_state.request_stop(PANEL_STOP):
             self.stop_button.disabled = True
             self.stop_button.description = "Stopping…"
 

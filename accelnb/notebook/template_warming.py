@@ -8,6 +8,9 @@ first launch, a cell or more later, finds the ranks' libraries already imported.
 ``ACCELNB_TEMPLATE=off`` turns this off; outside a kernel nothing is registered.
 
     >>> follow_cells(get_ipython())        # doctest: +SKIP
+
+Module-level state: ``_following``, the shells whose cells are followed; a kernel has one shell,
+and following it twice would warm twice per cell.
 """
 
 from __future__ import annotations

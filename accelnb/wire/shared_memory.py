@@ -15,6 +15,8 @@ rank that writes into its argument changes nothing for the other ranks or the ke
 The mapping lives as long as a view of it does: a tensor or array rebuilt over a view
 (``torch.frombuffer``, ``numpy.frombuffer``) holds the view, so the pages are unmapped when the
 last object over them is freed, and the file is freed when its last mapping or fd goes.
+
+Module-level state: ``_LIBC``, libc loaded once per process on first use (``mmap`` of a memfd).
 """
 
 from __future__ import annotations

@@ -22,6 +22,9 @@ columns) are kept as ``rank_`` and ``time_`` (and ``attempt`` as ``attempt_``).
 Importing this module does not import accelerate (accelnb works without it): the class becomes a
 ``GeneralTracker`` subclass the first time one is made, and making one without accelerate
 installed raises an ``ImportError`` saying what to install.
+
+Module-level state: ``_tracker_class``, the subclass of Accelerate's ``GeneralTracker`` made on
+first use (Accelerate is imported only then); one class per process serves every tracker.
 """
 
 from __future__ import annotations

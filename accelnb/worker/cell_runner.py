@@ -13,6 +13,9 @@ expression and the names the cell assigned (tensors on the CPU), within a size b
     >>> run_cell(CellRequest(source="x = rank\nx + 1", filename="<cell In[1]>",
     ...                      header="%%distributed", names={}, modules={}, return_names=None))
     ... # doctest: +SKIP  (inside a rank)
+
+Module-level state: ``_namespace``, the rank's ``__main__`` namespace for cells; a session's rank
+runs the cells of one notebook, which share one namespace as the kernel's cells do.
 """
 
 from __future__ import annotations

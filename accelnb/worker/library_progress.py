@@ -17,6 +17,9 @@ Both are patched when the code imports the library
 (:func:`~accelnb.worker.other_launchers.import_hooks.when_imported`), only on rank 0, and a
 disabled or invisible bar is left alone. The mirror is read by the flusher thread every 50 ms and
 holds the bar weakly: a bar dropped without being closed counts as closed.
+
+Module-level state, one per rank process: ``_installed`` (the patches go in once) and ``_bar_ids``
+(ids of mirrored bars, unique in the rank, far from :mod:`accelnb.worker.progress`'s own).
 """
 
 from __future__ import annotations

@@ -15,6 +15,8 @@ what a bare generator costs, and ranks other than 0 iterate the wrapped iterable
 
 Outside a launch (a plain script, the notebook itself) ``progress`` just iterates.
 tqdm keeps working in workers too, as text: the output router collapses its ``\\r`` updates.
+
+Module-level state: ``_bar_ids``, ids of the rank's bars, unique within the rank process.
 """
 
 from __future__ import annotations

@@ -15,6 +15,11 @@ One prompt at a time per rank (threads of one rank queue up here; the kernel que
 The rank's stdout is flushed before each request, so what it printed reaches the cell before the
 prompt. A reply carries its request's id, and a rank interrupted while it waited drops the late
 reply: replies never desynchronise the inbox, which also carries calls.
+
+Module-level state, one per rank process (a process is one rank, with one channel to the
+kernel): ``_rank``, ``_events`` and ``_flush`` (set when the rank attaches), ``_asking`` (one
+prompt at a time, whatever thread asks), ``_replies`` (the answers the inbox reader delivers) and
+``_request_ids``.
 """
 
 from __future__ import annotations

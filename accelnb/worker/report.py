@@ -14,6 +14,12 @@ sends a :class:`~accelnb.wire.events.ProgressBatch` (a ``MetricBatch`` subclass,
 it like any metric batch) carrying their states.
 
 Outside a launch, ``report`` is a no-op that warns once.
+
+Module-level state, one per rank process (a process is one rank, with one channel to the
+kernel): ``_writer`` and ``_rank`` (set when the rank attaches), the records not yet sent
+(``_pending``, under ``_flush_lock``), ``_sealed`` (the rank is dying of SIGTERM), ``_warned``
+(a report outside a launch warns once), the live bars (``_bars``, under ``_bars_lock``) and
+``_reported_steps`` (the step numbers of the current call).
 """
 
 from __future__ import annotations

@@ -14,6 +14,8 @@ times. The function reads its attempt here (0 on the first, 1 after one restart,
 
 The value is the one accelnb started the rank with, whatever the function later does to
 ``os.environ``.
+
+Module-level state: ``_restart_count``, this rank process's attempt number.
 """
 
 from __future__ import annotations

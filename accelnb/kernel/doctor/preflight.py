@@ -18,6 +18,9 @@ takes the GPUs from the plan, that is from the inventory the planner already rea
 call of its own (MIG, ECC and peer-to-peer are ``doctor()``'s, which reads NVML), and no port
 scan. Tests install other facts with :func:`set_facts_source` (a small ``/dev/shm``, a loopback
 that refuses), as they install a GPU inventory.
+
+Module-level state, one per kernel: ``_injected_source``, the facts a test installed (one
+machine's facts per process), and ``_warned``, the warnings already shown (each once per kernel).
 """
 
 from __future__ import annotations

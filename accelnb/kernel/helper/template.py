@@ -21,9 +21,12 @@ when the kernel exits.
     >>> helper = shared_helper()     # ready, and has imported what this process has
     >>> follow_in_background()       # after a cell: start or feed the template, never block
 
-Module-level state: one current template per process, the retired ones, the modules found
-unsafe, and how many modules this process had when the template last followed it (a cell that
-imported nothing costs one ``len``), under one lock (the launches of a sweep run on threads).
+Module-level state, one per process (a process forks its ranks from one template): ``_current``,
+the template, and ``_freshness``, what its imports depended on; ``_retired``, the templates
+replaced while ranks of theirs ran; ``_unsafe_modules``, the packages found unfit to import
+there; ``_exit_hook_registered``; all under ``_lock`` (the launches of a sweep run on threads).
+How many modules the process had when the template last followed it is the template's own
+(:attr:`WorkerHelper.modules_at_last_look`): a cell that imported nothing costs one ``len``.
 """
 
 from __future__ import annotations

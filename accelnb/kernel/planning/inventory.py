@@ -19,6 +19,9 @@ its UUID, as CUDA allows. Both go through :func:`find_by_uuid`.
     >>> inv = synthetic_inventory(2)
     >>> [g.index for g in inv.gpus]
     [0, 1]
+
+Module-level state: ``_injected_source``, the inventory installed in code; a process sees one
+machine, so it has one source.
 """
 
 from __future__ import annotations

@@ -10,6 +10,9 @@ metric view to draw on, so nothing here imports the notebook UI.
 A run's ``report()`` batches go through one :class:`MetricRoute` (history, live chart, the
 caller's sinks such as a TensorBoard log). The caller makes it, so a launch with restarts
 (:mod:`accelnb.kernel.run.attempts`) keeps one across its attempts: one history, one chart.
+
+Module-level state: ``_last_result``, the latest launch's result (``accelnb.last_result()``); a
+kernel has one latest launch.
 """
 
 from __future__ import annotations

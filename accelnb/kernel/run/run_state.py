@@ -14,6 +14,12 @@ flood is thousands of times a second; this module, not the call site, keeps the 
 
 Run listeners and wait hooks follow the one observer policy of :mod:`accelnb.kernel.watched_state.observers`:
 one that raises is logged and skipped; the launch goes on.
+
+Module-level state, one per kernel, since a kernel shows one run at a time and its panels watch
+that one: ``_current_run`` and ``_run_ids`` (ids only grow), ``_run_listeners`` and
+``_stop_listeners`` (the displays and sweeps subscribed), ``_lock`` (the current run is set from
+the launching thread and read from any), ``_wait_hooks`` (the launching thread's hooks) and
+``_hookless`` (which threads leave the hooks to another: per thread by design).
 """
 
 from __future__ import annotations
@@ -63,18 +69,36 @@ class RunState:
     ranks: list[RankState]
     started_at: float = field(default_factory=time.time)
     finished: bool = False
-    stop_requested: threading.Event = field(default_factory=threading.Event, repr=False)
-    stop_asked_by: str = "a panel's Stop"  # what set stop_requested, for the cell's message
     # The ranks were asked to stop at their next stop_requested() check, by this press, and are
     # saving: a display offers "Stop now" (the second press). None: no request is pending.
     stop_pending: str | None = None
     # Every live rank's current stacks without stopping anything; safe from any thread (the
     # supervisor's WorkerGroup.collect_stacks). None for a run that cannot be asked.
     collect_stacks: Callable[[float], dict[int, str]] | None = field(default=None, repr=False)
+    # A Stop pressed from another thread (a panel, a sweep, SIGTERM's handler), not yet taken by
+    # the call's wait loop, which decides what it means (kernel/run/group/stop_presses.py).
+    _pressed_by: str | None = field(default=None, repr=False)
+    _press_lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def states(self) -> dict[int, RankPhase]:
         return {r.rank: r.phase for r in self.ranks}
+
+    def press_stop(self, by: str) -> None:
+        """A Stop press on this run by ``by`` (named in the cell's message); safe from any thread."""
+        with self._press_lock:
+            self._pressed_by = by
+
+    def take_stop_press(self) -> str | None:
+        """What pressed Stop since the last take, if anything (the call's wait loop takes it)."""
+        with self._press_lock:
+            by, self._pressed_by = self._pressed_by, None
+            return by
+
+    @property
+    def stop_pressed(self) -> bool:
+        """A press is waiting for the wait loop (a display shows "stopping…" meanwhile)."""
+        return self._pressed_by is not None
 
 
 RunListener = Callable[[RunState | None], None]
@@ -118,7 +142,7 @@ def on_stop_request(listener: Callable[[str], object]) -> Callable[[], None]:
     return _stop_listeners.add(listener)
 
 
-def request_stop(by: str = "a panel's Stop") -> bool:
+def request_stop(by: str) -> bool:
     """Ask the run in progress (and whatever listens, see :func:`on_stop_request`) to stop;
     ``by`` says what asked, in the cell's message. Returns False when nothing is running."""
     heard = len(_stop_listeners) > 0
@@ -126,8 +150,7 @@ def request_stop(by: str = "a panel's Stop") -> bool:
     run = _current_run
     if heard or run is None or run.finished:  # a listener (a sweep) stops its runs, the current one included:
         return heard  # setting it again here could read as a second press
-    run.stop_asked_by = by
-    run.stop_requested.set()
+    run.press_stop(by)
     return True
 
 

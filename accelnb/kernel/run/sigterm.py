@@ -27,12 +27,13 @@ from contextlib import contextmanager
 from types import FrameType
 
 from accelnb.kernel.run import run_state
+from accelnb.kernel.run.group.stop_presses import SIGTERM_PRESS
 
-PRESSED_BY = "SIGTERM"
 # A Jupyter kernel's flush hands the cell's last lines to zmq, whose own I/O thread writes them to
 # the socket afterwards; a process that dies of SIGTERM right after the flush loses them (the
 # "stopped as asked" line, once in a full test run). The kernel waits this long before dying, as a
 # zmq socket's linger would: well inside the seconds a sender of SIGTERM gives before SIGKILL.
+# A script does not wait: its flush writes the lines itself.
 LAST_LINES_LINGER_S = 0.5
 
 
@@ -47,7 +48,7 @@ def sigterm_as_stop() -> Iterator[None]:
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
-        if not run_state.request_stop(by=PRESSED_BY):
+        if not run_state.request_stop(by=SIGTERM_PRESS):
             raise KeyboardInterrupt  # no run to ask: stop the launch as the stop button would
 
     signal.signal(signal.SIGTERM, on_sigterm)
@@ -59,5 +60,11 @@ def sigterm_as_stop() -> Iterator[None]:
             for stream in (sys.stdout, sys.stderr):  # a kernel's streams are buffered: the cell's last lines
                 with contextlib.suppress(Exception):
                     stream.flush()
-            time.sleep(LAST_LINES_LINGER_S)
+            if _written_by_a_kernel(sys.stdout):
+                time.sleep(LAST_LINES_LINGER_S)  # a script's flush has written them already
             os.kill(os.getpid(), signal.SIGTERM)  # the kernel's own handling, now that no rank is left
+
+
+def _written_by_a_kernel(stream: object) -> bool:
+    """The stream is ipykernel's, which zmq writes later from its own thread."""
+    return type(stream).__module__.startswith("ipykernel.")

@@ -195,8 +195,8 @@ class WorkerGroup:
                 self._send_call(answers, payload, value_ranks)
             self._inboxes.phase = "running"
             run = self.run
-            waited = self._calls.wait(answers, timeout, run.stop_requested if run is not None else None,
-                                      stall_timeout, stop_grace, asked_by=lambda: run.stop_asked_by if run else "")
+            waited = self._calls.wait(answers, timeout, run.take_stop_press if run is not None else None,
+                                      stall_timeout, stop_grace)
             if waited == "stop_requested":
                 ending, source = "interrupted", "stop_request"
             else:

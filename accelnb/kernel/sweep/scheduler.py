@@ -79,8 +79,7 @@ class SweepStop:
                 self._press(run)
 
     def _press(self, run: run_state.RunState) -> None:
-        run.stop_asked_by = self._asked_by
-        run.stop_requested.set()
+        run.press_stop(self._asked_by)
 
 
 RunTrial = Callable[[Trial, Slot, SweepStop], None]  # runs one trial to its end, recording it; raises nothing

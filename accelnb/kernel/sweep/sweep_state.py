@@ -6,6 +6,9 @@ trial with its slot's GPUs and state, published when a trial starts or ends. Onl
 sweep is kept; it stays (``finished``) until the next one begins.
 
     >>> unsubscribe = on_sweep_change(lambda sweep: print(sweep.running_on() if sweep else None))
+
+Module-level state, as for the run state: one latest sweep per kernel (``_current``, numbered by
+``_ids``) and the displays that watch it (``_listeners``).
 """
 
 from __future__ import annotations

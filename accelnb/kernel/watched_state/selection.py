@@ -9,6 +9,9 @@ and skipped, and the selection still holds (the policy of :mod:`accelnb.kernel.w
     >>> current_selection()
     Selection(gpus=(0, 2), num_processes=None)
     >>> clear_selection()
+
+Module-level state: the kernel's one default selection (``_current``) and the pickers that watch
+it (``_listeners``); one per kernel is what "default" means.
 """
 
 from __future__ import annotations

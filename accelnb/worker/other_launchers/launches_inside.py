@@ -29,6 +29,9 @@ Only module attributes are replaced, in the rank, and the originals are kept (``
 ``tests/test_frameworks_inside.py`` checks the names and parameters this relies on, against the
 torch and Lightning that are installed, and runs Lightning, Fabric, Accelerate's
 ``notebook_launcher`` and ``mp.spawn`` on accelnb's ranks from real kernels.
+
+Module-level state, one per rank process: ``_installed`` (the hooks go in once) and ``_place``
+(this rank's place in the launch: a process is one rank).
 """
 
 from __future__ import annotations

@@ -38,6 +38,9 @@ The template replaces it before it imports any of the kernel's modules, so a mod
 DDP series does that at import); the original is called with its own signature
 (``inspect.signature(...).bind``), so a new keyword in a torch release passes through.
 ``tests/test_process_group.py`` checks the names and parameters this relies on.
+
+Module-level state: ``_launched``, the launch this rank process joined (a process is one rank of
+one launch at a time).
 """
 
 from __future__ import annotations

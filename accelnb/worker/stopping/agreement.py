@@ -23,6 +23,10 @@ step for the cores); a Stop does not need to be answered faster than a person no
 Once True, the answer stays True until the call ends. The group lives as long as the process
 (a session's next call reuses it), unless a call ends with an all-reduce that never finished
 (the code checked a different number of times on different ranks): then the next check says so.
+
+Module-level state, one per rank process, since every rank of a launch must make the same
+groups in the same order: ``_group``, ``_world``, ``_groups_made``, ``_abandoned``, ``_poisoned``
+(each commented where it is bound) and ``_checks`` (the current call's checks).
 """
 
 from __future__ import annotations

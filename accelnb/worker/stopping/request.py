@@ -9,6 +9,10 @@ waiting in a collective it never enters.
 
 Without a kernel to tell (a Ray rank, a rank started outside accelnb) nothing is sent, and no
 request ever comes: the code runs as if Stop were never pressed, and Stop kills as before.
+
+Module-level state, one per rank process: ``_heard`` (the request arrived, set from the inbox
+reader's thread), ``_call_id`` (the call it is for), ``_announced`` (``ChecksForStop`` went once
+this call), and ``_writer`` and ``_rank`` (the rank's channel to the kernel).
 """
 
 from __future__ import annotations

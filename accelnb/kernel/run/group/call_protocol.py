@@ -23,7 +23,7 @@ says it, and :mod:`accelnb.kernel.run.engine` decides what the user sees.
 
     >>> protocol = CallProtocol(ranks)                                   # doctest: +SKIP
     >>> answers = protocol.begin(None)                                   # doctest: +SKIP
-    >>> waited = protocol.wait(answers, timeout, run.stop_requested)     # doctest: +SKIP
+    >>> waited = protocol.wait(answers, timeout, run.take_stop_press)   # doctest: +SKIP
     >>> outcome = protocol.conclude(answers.outcome(waited, timeout), answers)  # doctest: +SKIP
 
 (A port of functions, not a base class: each group keeps its ranks private, and the protocol can
@@ -32,7 +32,6 @@ be read, and tested, without either backend.)
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,7 +40,7 @@ from typing import Literal
 from accelnb.kernel.display.straggler_watch import StragglerWatch
 from accelnb.kernel.run.call_outcome import CallOutcome, HelperExit
 from accelnb.kernel.run.group.call_answers import CallAnswers
-from accelnb.kernel.run.group.stop_presses import PANEL_STOP, TIMEOUT_PASSED, StopPresses
+from accelnb.kernel.run.group.stop_presses import StopPresses
 
 ANSWER_WAIT_S = 1.0  # sessions: how long the other ranks get to answer after a failure
 WAIT_SLICE_S = 0.05  # the wait loop wakes this often (a Stop request, a deadline, display hooks)
@@ -92,29 +91,26 @@ class CallProtocol:
         self.between_calls.failures.clear()
         return answers
 
-    def wait(self, answers: CallAnswers, timeout: float | None, stop_requested: threading.Event | None,
-             stall_timeout: float | None = None, stop_grace: float | None = None,
-             asked_by: Callable[[], str] = lambda: PANEL_STOP) -> WaitEnding:
+    def wait(self, answers: CallAnswers, timeout: float | None,
+             pressed_elsewhere: Callable[[], str | None] | None = None,
+             stall_timeout: float | None = None, stop_grace: float | None = None) -> WaitEnding:
         """Pump until the call is decided: every rank answered, one failed, the deadline passed,
         a Stop was pressed, or the helper died. A ``KeyboardInterrupt`` propagates.
 
-        A Stop press (``stop_requested``, the stop button, ``timeout=`` passing) while the call's
-        code checks ``stop_requested()`` is first a request (:mod:`~accelnb.kernel.run.group.stop_presses`):
-        the wait goes on until the ranks answer, a second press, or ``stop_grace`` seconds
-        (``asked_by()`` names a ``stop_requested`` press). ``answers.presses`` keeps what asked.
+        What a Stop press means (the stop button, ``pressed_elsewhere()``'s press from another
+        thread, ``timeout=`` passing) is decided by the call's
+        :class:`~accelnb.kernel.run.group.stop_presses.StopPresses`, kept in ``answers.presses``;
+        this loop asks it on every wake-up and asks the ranks when it says so.
 
         ``stall_timeout``: once no rank made progress for that long, every rank's stack is shown
         (once per stall: progress again, and a later stall is shown too); the wait goes on.
         """
-        presses = answers.presses = StopPresses(stop_grace)
+        presses = answers.presses = StopPresses(stop_grace, timeout, pressed_elsewhere or (lambda: None))
         with presses.catching_interrupts(can_request=lambda: answers.checks_stop):
-            return self._wait(answers, timeout, stop_requested, stall_timeout, asked_by)
+            return self._wait(answers, stall_timeout)
 
-    def _wait(self, answers: CallAnswers, timeout: float | None, stop_requested: threading.Event | None,
-              stall_timeout: float | None, asked_by: Callable[[], str]) -> WaitEnding:
-        presses = answers.presses
+    def _wait(self, answers: CallAnswers, stall_timeout: float | None) -> WaitEnding:
         started = time.monotonic()
-        deadline = None if timeout is None else started + timeout
         stall_shown = False
         while True:
             self._ranks.pump(WAIT_SLICE_S, answers)
@@ -124,21 +120,10 @@ class CallProtocol:
                 return "failed"
             if len(answers.values) == answers.expected(self._ranks.size()):
                 return "answered"
-            press = presses.take()
-            if stop_requested is not None and stop_requested.is_set():
-                stop_requested.clear()
-                press = asked_by()
-            if deadline is not None and time.monotonic() > deadline:
-                if presses.requested or not answers.checks_stop:
-                    return "timed_out"
-                press, deadline = TIMEOUT_PASSED, None
-            if press is not None and not presses.echoes_the_request():
-                if presses.requested or not (answers.checks_stop and self._ranks.request_stop(answers)):
-                    return "stop_requested"
-                presses.request_sent(press)
-                self._ranks.show_request(press)
-            if presses.grace_over():
-                return "timed_out" if presses.asked_by == TIMEOUT_PASSED else "stop_requested"
+            stop_ending = answers.presses.decide(answers.checks_stop,
+                                                 request=lambda by: self._request_stop(answers, by))
+            if stop_ending is not None:
+                return stop_ending
             if stall_timeout is not None:
                 quiet_for = time.monotonic() - max(started, self._ranks.progress_at())
                 if quiet_for < stall_timeout:
@@ -149,8 +134,14 @@ class CallProtocol:
             at_prompt = self._ranks.between_pumps(answers)
             if at_prompt:
                 started = time.monotonic()  # time at a prompt is the user's: no stall
-            if deadline is not None:
-                deadline += at_prompt  # time at a prompt is the user's, not the run's
+                answers.presses.not_counting(at_prompt)  # nor the run's, for timeout=
+
+    def _request_stop(self, answers: CallAnswers, by: str) -> bool:
+        """Ask the call's ranks to stop at their next check, and tell the cell; False: they cannot be asked."""
+        if not self._ranks.request_stop(answers):
+            return False
+        self._ranks.show_request(by)
+        return True
 
     def conclude(self, outcome: CallOutcome, answers: CallAnswers) -> CallOutcome:
         """Stop what has to stop for ``outcome``; never ends with a rank that should be gone."""
