@@ -21,9 +21,9 @@ typecheck: setup
 # Two test files at a time on a 2-core machine (a test waits on kernels and ranks as much as it
 # computes: 24 minutes one at a time, 14 two at a time), at most four on a bigger one (each worker
 # starts kernels that import torch). A file stays on one worker: its module fixtures (a Ray
-# cluster, a kernel) start once.
+# cluster, a kernel) start once. The longest files go first (tests/conftest.py, LONGEST_FILES_FIRST).
 test: setup lint typecheck
-	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --durations=25  # the slowest tests, to keep `make test` near 12 minutes
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=25  # the slowest tests, to keep `make test` near 12 minutes
 
 # The GPU tier (tests/gpu/ and the other tests marked gpu): real CUDA on this machine's GPUs. A test
 # that needs more GPUs than there are is skipped, and -rs lists each skip with the count it needs.
@@ -48,6 +48,7 @@ bench: setup
 	$(PY) benchmarks/bench_data.py --write
 	$(PY) benchmarks/bench_torchrun.py --write  # %torchrun vs !torchrun in real kernels: first output, whole cell, Stop
 	$(PY) benchmarks/bench_stop.py --write  # what stop_requested() costs a step, and how soon a Stop is answered
+	$(PY) benchmarks/bench_features.py --write  # what each piece of the rank body costs a launch, a call, a step
 	$(PY) benchmarks/bench_sweep.py --write  # accelnb.sweep: four configs on two slots, against a loop of launches and subprocesses
 	$(PY) -m pip install -q "ray[train]>=2.40"  # benchmark-only peer of cluster="ray": Ray Train's TorchTrainer
 	$(PY) benchmarks/bench_ray.py  # needs root for network namespaces; says why when it skips
