@@ -100,3 +100,15 @@ def test_where_it_waits_reads_a_faulthandler_stack() -> None:
     assert where_it_waits(stack) == "waits in torch.distributed barrier(), called from train.py:14 in main"
     assert where_it_waits('  File "/home/me/train.py", line 9 in loop\n') == "is at train.py:9 in loop"
     assert where_it_waits("") .startswith("no Python stack came back")
+
+
+def test_where_it_waits_reads_a_traceback_stack_most_recent_last() -> None:
+    # A Ray rank's stacks come from the traceback module: "line 5, in f", oldest frame first.
+    stack = ("Stack of the call (most recent call last):\n"
+             '  File "/home/me/train.py", line 30, in main\n    fit()\n'
+             '  File "/home/me/train.py", line 14, in fit\n    dist.barrier()\n'
+             '  File "/venv/lib/python3.11/site-packages/torch/distributed/c10d_logger.py", line 83, in wrapper\n'
+             '    return func(*args, **kwargs)\n'
+             '  File "/venv/lib/python3.11/site-packages/torch/distributed/distributed_c10d.py", line 5356, '
+             'in barrier\n    work.wait()\n')
+    assert where_it_waits(stack) == "waits in torch.distributed barrier(), called from train.py:14 in fit"

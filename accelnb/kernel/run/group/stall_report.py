@@ -19,8 +19,11 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-# faulthandler's frame lines: `  File "/path/x.py", line 12 in main`, most recent call first.
-_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<function>\S+)')
+# A frame line as faulthandler writes it (`  File "/path/x.py", line 12 in main`, most recent call
+# first: a local rank's stacks) or as the traceback module does (`..., line 12, in main`, most
+# recent call last, under a header that says so: a Ray rank's).
+_FRAME = re.compile(r'^\s*File "(?P<file>[^"]+)", line (?P<line>\d+),? in (?P<function>\S+)')
+_OLDEST_FIRST = "most recent call last"
 _DISTRIBUTED = ("/torch/distributed/", "\\torch\\distributed\\")
 # Decorators torch wraps its collectives in: their frame names say nothing.
 _WRAPPERS = {"wrapper", "inner", "_fn", "decorate_context"}
@@ -31,6 +34,8 @@ def where_it_waits(stack: str) -> str:
     """One line for one rank's stack: the collective it waits in and who called it, else the
     innermost line of the user's code, else that the stack did not come back."""
     frames = [match.groupdict() for line in stack.splitlines() if (match := _FRAME.match(line))]
+    if _OLDEST_FIRST in stack:
+        frames.reverse()  # most recent first, as faulthandler lists them
     if not frames:
         return "no Python stack came back (inside native code that holds the GIL, or gone)"
     collective = next((f for f in frames if any(part in f["file"] for part in _DISTRIBUTED)
