@@ -26,6 +26,7 @@ from accelnb.kernel.display.rank_activity import RankActivity
 from accelnb.kernel.planning.inventory import synthetic_inventory
 from accelnb.notebook import rank_table
 from accelnb.wire.events import MetricBatch, StepWindow
+from accelnb.worker.rank_body import PIECES_OFF_ENV
 
 
 # ── the figures, from windows as the ranks send them ──────────────────────────────────────────
@@ -82,6 +83,15 @@ def test_gpu_and_host_memory_are_read_at_most_once_a_second() -> None:
     assert len(activity.summary()[0].gpu_samples) == 2
 
 
+def test_a_rank_on_another_node_has_the_peak_memory_its_windows_bring() -> None:
+    activity = RankActivity(clock=lambda: 5.0, host_memory=lambda pid: None)
+    activity.watch({0: None}, {0: None})  # another node: no pid to read from here
+    activity.add_window(StepWindow(0, 2, 0.2, 0, 0.0, 0.0, peak_host_memory=300 * 2**20))
+    activity.add_window(StepWindow(0, 2, 0.2, 0, 0.0, 0.0, peak_host_memory=200 * 2**20))  # a peak never falls
+    activity.sample()
+    assert activity.summary()[0].host_memory_peak == 300 * 2**20
+
+
 def test_the_first_step_counts_and_report_steps_count_where_there_is_no_optimizer() -> None:
     activity = RankActivity(clock=lambda: 5.0)
     activity.add_window(StepWindow(0, 0, 0.0, 0, 0.0, 0.0, untimed_steps=1))
@@ -114,6 +124,14 @@ def test_the_result_keeps_every_ranks_steps_times_and_waits() -> None:
         assert summary.host_memory_peak is not None and summary.host_memory_peak > 10 * 2**20
     # rank 1 sleeps before its forward; rank 0 does not (its first steps may wait on rank 1's start)
     assert statistics.median(result.ranks[1].waits) >= 0.04 > statistics.median(result.ranks[0].waits)
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_the_benchmarks_switch_leaves_the_step_counting_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    # benchmarks/bench_features.py measures each piece by turning it off: the switch must work.
+    monkeypatch.setenv(PIECES_OFF_ENV, "step_timing")
+    result = launch(ddp_training, args=(5, 1), num_processes=2, cpu=True, quiet=True, timeout=120)
+    assert {rank: s.steps for rank, s in result.ranks.items()} in ({}, {0: 0, 1: 0}), result.ranks
 
 
 def reports_without_an_optimizer() -> None:

@@ -17,10 +17,11 @@ import ast
 import contextlib
 import queue
 import re
+import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,9 +92,11 @@ class Notebook:
         self.client.start_channels()
         self.client.wait_for_ready(timeout=120)
 
-    def run(self, code: str, *, interrupt_after: str | None = None, answers: tuple[str, ...] = ()) -> CellRun:
-        """Run one cell; with ``interrupt_after``, press the stop button once stdout shows that text;
-        the cell's prompts (``input()``, ``(Pdb)``) get ``answers`` in turn, and are kept in ``prompts``."""
+    def run(self, code: str, *, interrupt_after: str | None = None, answers: tuple[str, ...] = (),
+            press: Callable[[], object] | None = None) -> CellRun:
+        """Run one cell; with ``interrupt_after``, press the stop button (or call ``press``) once
+        stdout shows that text; the cell's prompts (``input()``, ``(Pdb)``) get ``answers`` in
+        turn, and are kept in ``prompts``. A kernel that dies (SIGTERM) ends the cell."""
         msg_id = self.client.execute(code, allow_stdin=bool(answers))
         cell = CellRun()
         deadline = time.monotonic() + CELL_TIMEOUT_S
@@ -108,6 +111,8 @@ class Notebook:
             try:
                 message = self.client.get_iopub_msg(timeout=0.2 if left else max(1.0, deadline - time.monotonic()))
             except queue.Empty:
+                if not self.manager.is_alive():
+                    return cell
                 assert time.monotonic() < deadline, f"the cell did not end within {CELL_TIMEOUT_S} s: {cell}"
                 continue
             if message["parent_header"].get("msg_id") != msg_id:
@@ -123,7 +128,7 @@ class Notebook:
                 return cell
             if interrupt_after and not interrupted and interrupt_after in cell.stdout:
                 interrupted = True
-                self.manager.interrupt_kernel()
+                (press or self.manager.interrupt_kernel)()
 
     def checked(self, code: str) -> CellRun:
         cell = self.run(code)
@@ -159,9 +164,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NamespaceClust
         yield nodes
 
 
-@pytest.fixture(scope="module")
-def notebook(cluster: NamespaceCluster) -> Iterator[Notebook]:
-    manager = NamespacedKernel(transport="ipc", ip=str(cluster.workdir / "kernel"))
+@contextlib.contextmanager
+def kernel_on(cluster: NamespaceCluster, name: str) -> Iterator[Notebook]:
+    """A real kernel in the head's namespace, connected to the cluster (``SETUP`` ran)."""
+    manager = NamespacedKernel(transport="ipc", ip=str(cluster.workdir / name))
     manager.namespace = cluster.names[0]
     env = {**cluster.env(), "ACCELNB_TEST_RAY_ADDRESS": cluster.head_address, "ACCELNB_TEST_REPO": str(REPO)}
     manager.start_kernel(env=env, cwd=str(REPO))
@@ -174,6 +180,12 @@ def notebook(cluster: NamespaceCluster) -> Iterator[Notebook]:
             book.client.stop_channels()
     finally:
         manager.shutdown_kernel(now=True)
+
+
+@pytest.fixture(scope="module")
+def notebook(cluster: NamespaceCluster) -> Iterator[Notebook]:
+    with kernel_on(cluster, "kernel") as book:
+        yield book
 
 
 # ── on the cluster ──────────────────────────────────────────────────────────────────────────────
@@ -474,6 +486,81 @@ def test_torchrun_runs_a_torchrun_script_unchanged_on_the_cluster(notebook: Note
     cell = notebook.checked(f"%torchrun --cluster ray --nproc-per-node 2 {script}")
     assert "node ranks sum to 1.0 world 2" in cell.stdout, cell.stdout + cell.stderr
     assert "node 10.77.0.1 (accel0)" in cell.stdout and "node 10.77.0.2 (accel0)" in cell.stdout, cell.stdout
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
+def test_each_ranks_steps_and_waits_come_back_from_both_nodes(notebook: Notebook) -> None:
+    # The per-rank view's figures: a DDP loop as tutorials write it, nothing of accelnb in it.
+    cell = notebook.checked("""
+def ddp_steps():
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    model = DDP(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for _ in range(12):
+        optimizer.zero_grad()
+        model(torch.randn(8, 16)).sum().backward()
+        optimizer.step()
+
+viewed = launch(ddp_steps, num_processes=2, cluster="ray")
+for rank, summary in sorted(viewed.ranks.items()):
+    print("rank", rank, "steps", summary.steps, sum(w.steps for w in summary.windows),
+          "timed", len(summary.step_times) >= 1, "memory", (summary.host_memory_peak or 0) > 10 * 2**20)
+""")
+    for rank in (0, 1):
+        assert f"rank {rank} steps 12 12 timed True memory True" in cell.stdout, cell.stdout
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
+def test_a_stall_shows_every_ranks_stack_once_and_the_call_goes_on(notebook: Notebook) -> None:
+    started = notebook.checked("""
+stalling = Session.start(cluster="ray", num_processes=2)
+stalling.run(os.getpid)   # set up and joined: the stall below is the function's alone
+""")
+    cell = notebook.run("""
+def mismatched():
+    import torch, torch.distributed as dist
+    if dist.get_rank() == 0:
+        dist.barrier()
+    else:
+        dist.all_reduce(torch.ones(1))
+
+try:
+    stalling.run(mismatched, stall_timeout=2, timeout=10)
+finally:
+    stalling.stop()
+""")
+    assert "LaunchTimeout" in cell.error_text, cell.error_text + cell.stderr  # the stall stopped nothing
+    assert cell.stderr.count("no rank has made progress") == 1, cell.stderr
+    assert "rank 0: waits in torch.distributed barrier()" in cell.stderr, cell.stderr
+    assert "rank 1: waits in torch.distributed all_reduce()" in cell.stderr, cell.stderr
+    notebook.assert_nothing_left(table_pids(started.stdout))
+
+
+SAVES_WHEN_STOPPED = UNTIL_STOPPED + """
+def saves_when_stopped(folder):
+    import torch.distributed as dist
+    step = until_stopped()
+    with open(f"{folder}/rank{dist.get_rank()}.step", "w") as saved:   # the checkpoint
+        saved.write(str(step))
+"""
+
+
+def test_sigterm_to_the_kernel_saves_on_both_nodes_then_rays_own_handler_runs(notebook: Notebook,
+                                                                                tmp_path: Path) -> None:
+    # A pre-empted machine: SIGTERM to the kernel is a Stop press, and the code saves on both
+    # nodes at one step. Then the signal goes to the handler that was there before accelnb's:
+    # in a Ray driver that is ray.init()'s, sys.exit(15), which a running cell shows as
+    # SystemExit and the kernel lives on (as it does without accelnb).
+    cell = notebook.run(SAVES_WHEN_STOPPED + f"""
+launch(saves_when_stopped, ({str(tmp_path)!r},), num_processes=2, cluster="ray")
+""", interrupt_after="stepping", press=lambda: notebook.manager.signal_kernel(signal.SIGTERM))
+    assert "stop requested (SIGTERM)" in cell.stderr, cell.stdout + cell.stderr
+    assert "stopped as asked (SIGTERM)" in cell.stderr, cell.stdout + cell.stderr
+    saved = {(tmp_path / f"rank{rank}.step").read_text() for rank in (0, 1)}
+    assert len(saved) == 1 and int(saved.pop()) >= 5, saved  # the same step on both nodes
+    assert cell.error is not None and cell.error["ename"] == "SystemExit", cell.error_text
     notebook.assert_nothing_left(table_pids(cell.stdout))
 
 

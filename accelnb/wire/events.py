@@ -133,6 +133,9 @@ class StepWindow:
     # DDP forwards under no_grad/inference_mode: an inference loop's steps, for code that has no
     # optimizer step (the kernel counts them only while the rank counts no optimizer step).
     forward_steps: int = 0
+    # The rank's peak resident memory so far, in bytes, read where the rank runs: the kernel cannot
+    # read the memory of a rank on another node. None: not read.
+    peak_host_memory: int | None = None
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,11 @@ _CLOUDPICKLE_ROOT = os.path.dirname(os.path.abspath(cloudpickle.__file__)) + os.
 _RUNPY_FILES = ("<frozen runpy>", os.path.abspath(runpy.__file__))
 FLUSH_INTERVAL_S = 0.05
 STREAM_BUFFER_BYTES = 1 << 16
+# For benchmarks/bench_features.py only: the pieces of the rank body left out, by name (a comma
+# list of PIECES), so that what each costs a launch, a call and a step is measured, not guessed.
+# Not a user setting: each piece is a feature, and a rank without it lacks that feature.
+PIECES_OFF_ENV = "ACCELNB_BENCH_PIECES_OFF"
+PIECES = ("launches_inside", "step_timing", "library_progress", "accelerate_trigger", "stop_agreement")
 
 
 def attach_to_kernel(events: channel.MessageWriter, rank: int, restart_count: int) -> None:
@@ -82,10 +87,21 @@ def join_the_run(spec: WorkerSpec, store_fd: int | None) -> None:
     torch.set_num_threads(max(1, spec.threads_per_rank))
     compile_in_process()
     process_group.join_default_group(spec, store_fd, torch, dist)
-    launches_inside.place(spec)
-    step_timing.install()
-    library_progress.install()
-    accelerate_trigger.install()
+    off = pieces_off()
+    if "launches_inside" not in off:
+        launches_inside.place(spec)
+    if "step_timing" not in off:
+        step_timing.install()
+    if "library_progress" not in off:
+        library_progress.install()
+    if "accelerate_trigger" not in off:
+        accelerate_trigger.install()
+
+
+def pieces_off() -> frozenset[str]:
+    """The pieces a benchmark asked this rank to leave out (:data:`PIECES_OFF_ENV`); none for users."""
+    named = os.environ.get(PIECES_OFF_ENV, "")
+    return frozenset(piece.strip() for piece in named.split(",") if piece.strip() in PIECES)
 
 
 def compile_in_process() -> None:
@@ -111,8 +127,10 @@ def run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
     value = None
     _register_sources(call.sources)
     process_group.ensure_default_group()  # a session's earlier call may have destroyed it
-    stop_request.begin_call(call.call_id)
-    stop_agreement.begin_call()
+    agreeing = "stop_agreement" not in pieces_off()
+    if agreeing:
+        stop_request.begin_call(call.call_id)
+        stop_agreement.begin_call()
     try:
         # Big arguments are rebuilt over the shared pages the kernel wrote once for all ranks,
         # mapped copy-on-write: this rank may write into them without affecting anyone else.
@@ -123,7 +141,8 @@ def run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
             returned = True
         finally:
             rank_debugger.leave_debugger()
-            stop_agreement.end_call(returned)
+            if agreeing:
+                stop_agreement.end_call(returned)
     except BaseException as error:
         if not (isinstance(error, SystemExit) and error.code in (0, None)):
             flush_streams_and_metrics()

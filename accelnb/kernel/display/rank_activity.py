@@ -175,7 +175,8 @@ class RankActivity:
     # ── feeding ─────────────────────────────────────────────────────────────────────────────
     def watch(self, pids: Mapping[int, int | None], gpus: Mapping[int, GpuInfo | None]) -> None:
         """The ranks of the attempt starting now: their pids on this machine (None on another
-        node, whose memory is not read from here) and the physical GPU each runs on."""
+        node, whose current memory is not read from here; its peak comes in its step windows) and
+        the physical GPU each runs on."""
         for rank, pid in pids.items():
             seen = self._ranks.setdefault(rank, _Rank())
             seen.pid, seen.gpu = pid, gpus.get(rank)
@@ -199,6 +200,8 @@ class RankActivity:
         if record.step_s is not None:
             seen.recent.append(record)
         seen.kept.append(record)
+        if window.peak_host_memory is not None:  # the rank's own reading: on any node
+            seen.host_memory_peak = max(seen.host_memory_peak or 0, window.peak_host_memory)
         self.changed = True
 
     def add_reports(self, batch: MetricBatch, now: float | None = None) -> None:
