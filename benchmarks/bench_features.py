@@ -18,8 +18,9 @@ round, so a burst of load hits all of them:
 - **launch**: a one-shot ``launch`` of a function that returns at once, median of 5 per round;
 - **call**: a session's ``run`` of the same function, median of 20 per round (the session is
   started per configuration, since the pieces are installed when a rank joins);
-- **step**: rank 0's time per step of a DDP loop of about 1 ms (Linear(32,64)-ReLU-Linear(64,4),
-  SGD, batch 16), 300 timed steps after 30 warm-up steps.
+- **step**: rank 0's time per step of a small DDP loop (Linear(32,64)-ReLU-Linear(64,4), SGD,
+  batch 16; about 1 ms a step on a free core, 3-4 ms where two ranks and this process share two),
+  1000 timed steps after 30 warm-up steps.
 
 The table gives the median over rounds and the difference from "everything on" (negative: the
 piece costs that much). A benchmark, not a test: nothing is asserted. ``--write`` replaces this
@@ -48,7 +49,7 @@ CONFIGS: tuple[tuple[str, tuple[str, ...]], ...] = (
     *((f"without {piece}", (piece,)) for piece in PIECES),
     ("all five off", PIECES),
 )
-LAUNCHES, CALLS, STEPS, WARMUP = 5, 20, 300, 30
+LAUNCHES, CALLS, STEPS, WARMUP = 5, 20, 1000, 30
 
 
 def returns_at_once() -> int:
@@ -98,7 +99,7 @@ def measure(pieces_off: tuple[str, ...]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--write", action="store_true", help="replace this benchmark's section of RESULTS.md")
     options = parser.parse_args()
     load_before = os.getloadavg()
@@ -121,6 +122,10 @@ def main() -> None:
         rows.append(f"| {name} | {m['launch_ms']:.1f} | {m['launch_ms'] - base['launch_ms']:+.1f} "
                     f"| {m['call_ms']:.2f} | {m['call_ms'] - base['call_ms']:+.2f} "
                     f"| {m['step_us']:.0f} | {m['step_us'] - base['step_us']:+.0f} |")
+    on = results["everything on"]
+    spread = ", ".join(f"{label} {min(run[key] for run in on):{fmt}}–{max(run[key] for run in on):{fmt}}"
+                       for label, key, fmt in (("launch", "launch_ms", ".1f"), ("session call", "call_ms", ".2f"),
+                                               ("step", "step_us", ".0f")))
     load_after = os.getloadavg()
     text = "\n".join([
         HEADING, "",
@@ -135,9 +140,11 @@ def main() -> None:
         "Each piece of the rank body turned off alone (`ACCELNB_BENCH_PIECES_OFF`), then all five; \"vs on\" is the "
         "difference from everything on (negative: what the piece costs). launch: a one-shot 2-rank launch of a "
         f"function that returns at once (median of {LAUNCHES}); session call: a session's `run` of it (median of "
-        f"{CALLS}); step: rank 0's time per step of a ≈1 ms DDP loop ({STEPS} steps).",
+        f"{CALLS}); step: rank 0's time per step of a small DDP loop ({STEPS} steps).",
         "",
         *rows, "",
+        f"How much \"everything on\" alone varied from round to round (the noise a difference must exceed): "
+        f"{spread}.", "",
     ])
     print(text)
     if options.write:
