@@ -2,13 +2,14 @@
 
 The kernel sends :class:`~accelnb.wire.events.StopRequest` to every rank of a call when Stop is
 pressed and the call's code has shown it checks (:class:`~accelnb.wire.events.ChecksForStop`,
-sent here at the code's first check of each call). The inbox thread delivers the request at any
-moment; the code reads it only through :mod:`~accelnb.worker.stopping.agreement`, because ranks
-hear it at different points of their step, and a rank acting on its own would leave the others
-waiting in a collective it never enters.
+sent here at the code's first check of each call). The rank's receiver delivers the request at
+any moment (a local rank's inbox thread, a Ray actor's ``deliver``); the code reads it only
+through :mod:`~accelnb.worker.stopping.agreement`, because ranks hear it at different points of
+their step, and a rank acting on its own would leave the others waiting in a collective it never
+enters. This module is the rank's receiving end of Stop; ``agreement`` is where the rank decides.
 
-Without a kernel to tell (a Ray rank, a rank started outside accelnb) nothing is sent, and no
-request ever comes: the code runs as if Stop were never pressed, and Stop kills as before.
+Without a kernel to tell (a rank started outside accelnb) nothing is sent, and no request ever
+comes: the code runs as if Stop were never pressed.
 
 Module-level state, one per rank process: ``_heard`` (the request arrived, set from the inbox
 reader's thread), ``_call_id`` (the call it is for), ``_announced`` (``ChecksForStop`` went once
