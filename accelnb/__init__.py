@@ -52,8 +52,8 @@ if TYPE_CHECKING:  # what each public name is, for type checkers and editors; im
     from accelnb.worker.progress import progress
     from accelnb.worker.report import report
     from accelnb.worker.restarts import restart_count
-    from accelnb.worker.stopping.agreement import stop_requested
     from accelnb.worker.stopping.library_callbacks import LightningSaveOnStop, TrainerSaveOnStop
+    from accelnb.worker.stopping.rank_stop import stop_requested
 
 # Every public name and the module that defines it. Nothing is imported with ``accelnb``: a rank
 # imports ``accelnb.worker.*``, which runs this file first, and must not load the kernel's 30-odd
@@ -105,7 +105,7 @@ _DEFINED_IN: dict[str, str] = {
     "progress": "accelnb.worker.progress",
     "report": "accelnb.worker.report",
     "restart_count": "accelnb.worker.restarts",
-    "stop_requested": "accelnb.worker.stopping.agreement",
+    "stop_requested": "accelnb.worker.stopping.rank_stop",
     "TrainerSaveOnStop": "accelnb.worker.stopping.library_callbacks",
     "LightningSaveOnStop": "accelnb.worker.stopping.library_callbacks",
     "Panel": "accelnb.notebook.panel",  # pulls in ipywidgets

@@ -52,7 +52,7 @@ from accelnb.worker.rank_body import (
     run_call,
     start_flusher,
 )
-from accelnb.worker.stopping import request as stop_request
+from accelnb.worker.stopping import rank_stop
 
 SIGTERM_FLUSH_LIMIT_S = 1.0
 
@@ -252,7 +252,7 @@ def _start_inbox_reader(inbox_fd: int, commands: queue.Queue[Any]) -> None:
             if isinstance(message, InputReply):
                 rank_input.deliver(message)  # to the prompt waiting for it, never to the call loop
             elif isinstance(message, StopRequest):
-                stop_request.deliver(message)  # read by the code's next stop_requested(), on every rank alike
+                rank_stop.deliver(message)  # read by the code's next stop_requested(), on every rank alike
             else:
                 commands.put(message)
 

@@ -44,9 +44,7 @@ from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_k
 from accelnb.wire.spec import WorkerSpec
 from accelnb.worker import library_progress, rank_debugger, rank_input, report, restarts, step_timing
 from accelnb.worker.other_launchers import launches_inside, process_group
-from accelnb.worker.stopping import accelerate_trigger
-from accelnb.worker.stopping import agreement as stop_agreement
-from accelnb.worker.stopping import request as stop_request
+from accelnb.worker.stopping import accelerate_trigger, rank_stop
 
 # accelnb/ with a trailing separator: frames under it are ours, whichever subpackage.
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -67,13 +65,13 @@ def attach_to_kernel(events: channel.MessageWriter, rank: int, restart_count: in
     """What the rank's code reaches the notebook through, whatever started the rank: ``report()``,
     ``input()`` and ``breakpoint()`` prompts, ``restart_count()`` and ``stop_requested()``. What
     the kernel sends back (a prompt's answer, a stop request) is handed to ``rank_input.deliver``
-    and ``stop_request.deliver`` by the rank's own receiver: the inbox reader of a local rank,
+    and ``rank_stop.deliver`` by the rank's own receiver: the inbox reader of a local rank,
     ``RankActor.deliver`` of a Ray one."""
     report.attach(events, rank)
     rank_input.attach(events, rank, flush=flush_streams_and_metrics)
     rank_debugger.attach()
     restarts.attach(restart_count)
-    stop_request.attach(events, rank)
+    rank_stop.attach(events, rank)
 
 
 def join_the_run(spec: WorkerSpec, store_fd: int | None) -> None:
@@ -129,8 +127,7 @@ def run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
     process_group.ensure_default_group()  # a session's earlier call may have destroyed it
     agreeing = "stop_agreement" not in pieces_off()
     if agreeing:
-        stop_request.begin_call(call.call_id)
-        stop_agreement.begin_call()
+        rank_stop.begin_call(call.call_id)
     try:
         # Big arguments are rebuilt over the shared pages the kernel wrote once for all ranks,
         # mapped copy-on-write: this rank may write into them without affecting anyone else.
@@ -142,7 +139,7 @@ def run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
         finally:
             rank_debugger.leave_debugger()
             if agreeing:
-                stop_agreement.end_call(returned)
+                rank_stop.end_call(returned)
     except BaseException as error:
         if not (isinstance(error, SystemExit) and error.code in (0, None)):
             flush_streams_and_metrics()

@@ -64,7 +64,7 @@ from accelnb.worker.rank_body import (
     run_call,
     start_flusher,
 )
-from accelnb.worker.stopping import request as stop_request
+from accelnb.worker.stopping import rank_stop
 
 EVENTS_PER_POLL = 256  # one poll answer stays small under an output flood
 OUTPUT_SYNC_LIMIT_S = 1.0
@@ -221,7 +221,7 @@ class RankActor:
         """What a local rank's inbox reader hands on, sent beside the running call: a stop
         request (read by the code's next ``stop_requested()``) or the answer to a prompt."""
         if isinstance(message, StopRequest):
-            stop_request.deliver(message)
+            rank_stop.deliver(message)
         else:
             rank_input.deliver(message)
 

@@ -18,7 +18,7 @@ import functools
 from typing import Any
 
 from accelnb.worker.other_launchers.import_hooks import when_imported
-from accelnb.worker.stopping import request
+from accelnb.worker.stopping import rank_stop
 
 
 def install() -> None:
@@ -34,8 +34,8 @@ def _wrap_check_trigger(module: Any) -> None:
 
     @functools.wraps(original)
     def check_trigger(self: Any) -> bool:
-        request.announce_checking()
-        if request.heard():
+        rank_stop.announce_checking()
+        if rank_stop.heard():
             self.set_trigger()
         return bool(original(self))
 

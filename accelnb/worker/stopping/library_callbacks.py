@@ -1,6 +1,6 @@
 """Callbacks that make the HF Trainer and Lightning's Trainer save and stop on accelnb's Stop.
 
-Both ask :func:`~accelnb.worker.stopping.agreement.stop_requested` at the end of every optimizer
+Both ask :func:`~accelnb.worker.stopping.rank_stop.stop_requested` at the end of every optimizer
 step, never between the batches of one accumulated step (every rank, the same number of times:
 what the agreement needs) and, once it says True, use the library's own machinery to save and
 stop at that step boundary, so the checkpoint is the library's usual one and the library's usual
@@ -26,7 +26,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from accelnb.worker.stopping.agreement import stop_requested
+from accelnb.worker.stopping.rank_stop import stop_requested
 
 
 @functools.cache

@@ -1,10 +1,20 @@
-"""``stop_requested()``: the same answer on every rank at the same call number, cheap every step.
+"""The rank's side of Stop, whole: the kernel's request as this rank hears it, and
+``stop_requested()``, where the ranks agree on when to honour it (the kernel's side is
+``kernel/run/group/stop_presses.py``).
 
-Ranks hear the kernel's request at different points of their step (``request.py``), so a rank
-cannot act on what it heard alone: it would save a different step than the others, or leave them
-waiting in a collective it never enters. The ranks agree through an all-reduce (MAX) of what
-each heard, on a gloo group of accelnb's own (CPU tensors, whatever backend the default group
-has; made at the first check, so that code that never checks pays nothing).
+**Hearing the request.** The kernel sends :class:`~accelnb.wire.events.StopRequest` to every rank
+of a call when Stop is pressed and the call's code has shown it checks
+(:class:`~accelnb.wire.events.ChecksForStop`, sent at the code's first check of each call,
+:func:`announce_checking`). The rank's receiver hands the request over at any moment
+(:func:`deliver`: a local rank's inbox thread, a Ray actor's ``deliver``). Without a kernel to
+tell (a rank started outside accelnb) nothing is sent and no request comes: the code runs as if
+Stop were never pressed.
+
+**Agreeing.** Ranks hear the request at different points of their step, so a rank cannot act on
+what it heard alone: it would save a different step than the others, or leave them waiting in a
+collective it never enters. The ranks agree through an all-reduce (MAX) of what each heard, on a
+gloo group of accelnb's own (CPU tensors, whatever backend the default group has; made at the
+first check, so that code that never checks pays nothing).
 
 A collective every call would cost too much: on a loaded 2-core machine a gloo all-reduce of one
 number costs the caller 200-350 µs, 10-17 % of a 2 ms step (benchmarks/bench_stop.py: 23 %). So
@@ -24,20 +34,25 @@ Once True, the answer stays True until the call ends. The group lives as long as
 (a session's next call reuses it), unless a call ends with an all-reduce that never finished
 (the code checked a different number of times on different ranks): then the next check says so.
 
-Module-level state, one per rank process, since every rank of a launch must make the same
-groups in the same order: ``_group``, ``_world``, ``_groups_made``, ``_abandoned``, ``_poisoned``
-(each commented where it is bound) and ``_checks`` (the current call's checks).
+Module-level state, one per rank process (a rank has one channel to its kernel, and every rank of
+a launch must make the same groups in the same order): the request's ``_heard`` (set from the
+receiver's thread), ``_call_id`` (the call it is for), ``_announced`` (``ChecksForStop`` went
+once this call), ``_writer`` and ``_rank`` (where to send it); the agreement's ``_group``,
+``_world``, ``_groups_made``, ``_abandoned``, ``_poisoned`` (each commented where it is bound)
+and ``_checks`` (the current call's checks).
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from datetime import timedelta
 from typing import Any
 
+from accelnb.wire.channel import MessageWriter
+from accelnb.wire.events import ChecksForStop, StopRequest
 from accelnb.worker.other_launchers import process_group
-from accelnb.worker.stopping import request
 
 CHECK_INTERVAL_S = 0.25  # the ranks' pace decides how many calls that is
 MAX_CALLS_BETWEEN_CHECKS = 100_000
@@ -59,6 +74,12 @@ class _Checks:
         self.pending: tuple[Any, Any] | None = None  # (work, tensor) of the last check point
         self.last_check: tuple[int, float] | None = None  # (call number, time) of the last check point
 
+
+_heard = threading.Event()
+_call_id: int | None = None
+_announced = False
+_writer: MessageWriter | None = None
+_rank = 0
 
 _group: Any = None  # the gloo group, once made; None before the first check
 _world: Any = None  # the default group it was made from (a destroyed and remade one needs a new group)
@@ -91,10 +112,39 @@ def stop_requested() -> bool:
     return _check_point(checks)
 
 
-def begin_call() -> None:
-    """A new call's checks start from its first call; what the last call agreed is forgotten."""
-    global _checks
+def attach(writer: MessageWriter, rank: int) -> None:
+    """Where to tell the kernel that the code checks (the rank's events channel)."""
+    global _writer, _rank
+    _writer, _rank = writer, rank
+
+
+def begin_call(call_id: int) -> None:
+    """A new call: no request heard, the kernel not yet told that this call's code checks, and
+    the checks start from its first call (what the last call agreed is forgotten)."""
+    global _call_id, _announced, _checks
+    _call_id, _announced = call_id, False
+    _heard.clear()
     _checks = _Checks()
+
+
+def deliver(request: StopRequest) -> None:
+    """The kernel's request (from the rank's receiver); one for an earlier call is dropped."""
+    if request.call_id == _call_id:
+        _heard.set()
+
+
+def heard() -> bool:
+    """Whether this rank has heard the kernel's request during the current call."""
+    return _heard.is_set()
+
+
+def announce_checking() -> None:
+    """Tell the kernel, once per call, that the code checks: a Stop press becomes a request."""
+    global _announced
+    if _announced or _writer is None or _call_id is None:
+        return
+    _announced = True
+    _writer.send(ChecksForStop(_rank, _call_id))
 
 
 def end_call(returned: bool) -> None:
@@ -123,9 +173,9 @@ def _check_point(checks: _Checks) -> bool:
     import torch
     import torch.distributed as dist
 
-    request.announce_checking()
+    announce_checking()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        checks.agreed = request.heard()  # one rank agrees with itself
+        checks.agreed = heard()  # one rank agrees with itself
         return checks.agreed
     group = _agreement_group(dist)
     calls_between = 1
@@ -143,7 +193,7 @@ def _check_point(checks: _Checks) -> bool:
         seconds_per_call = (now - checks.last_check[1]) / max(1, checks.calls - checks.last_check[0])
         proposal = _calls_for(seconds_per_call)
     checks.last_check = (checks.calls, now)
-    tensor = torch.tensor([int(request.heard()), proposal], dtype=torch.int64)
+    tensor = torch.tensor([int(heard()), proposal], dtype=torch.int64)
     checks.pending = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True), tensor)
     checks.next_check = checks.calls + calls_between
     return False
