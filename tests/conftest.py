@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from accelnb.kernel.helper.template import running_helper_pid
+from accelnb.worker.standby_ranks import STANDBY_NAME
 
 if TYPE_CHECKING:
     from jupyter_client.blocking.client import BlockingKernelClient
@@ -94,13 +95,23 @@ def worker_processes() -> list[psutil.Process]:
     return [] if helper_pid is None else live_descendants(helper_pid)
 
 
+def is_standby(process: psutil.Process) -> bool:
+    """A child the template forked ahead of a launch and that still waits (it has no rank yet)."""
+    try:
+        return process.name() == STANDBY_NAME
+    except psutil.NoSuchProcess:
+        return False
+
+
 def live_descendants(pid: int) -> list[psutil.Process]:
-    """Every process below ``pid`` that still runs (zombies excluded)."""
+    """Every process below ``pid`` that still runs (zombies excluded), but a template's children
+    that wait for a rank to become (``worker/standby_ranks.py``): they are the template's, not a
+    launch's, and end with it."""
     try:
         children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
-    return [child for child in children if _running(child)]
+    return [child for child in children if _running(child) and not is_standby(child)]
 
 
 def start_repo_kernel(**env: str | None) -> tuple[KernelManager, BlockingKernelClient]:

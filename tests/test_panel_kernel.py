@@ -25,7 +25,7 @@ import psutil
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
-from tests.conftest import start_repo_kernel
+from tests.conftest import is_standby, start_repo_kernel
 
 Message = dict[str, Any]
 
@@ -172,7 +172,8 @@ def _alive(pid: int) -> bool:
 
 def _live_children(pid: int) -> list[psutil.Process]:
     try:
-        return [p for p in psutil.Process(pid).children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+        return [p for p in psutil.Process(pid).children(recursive=True)
+                if p.status() != psutil.STATUS_ZOMBIE and not is_standby(p)]
     except psutil.NoSuchProcess:
         return []
 

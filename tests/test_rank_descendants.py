@@ -35,7 +35,7 @@ from accelnb.wire.channel import MessageReader, encode, send_frame
 from accelnb.wire.events import CallError, CallResult, MetricBatch, RunCall, Shutdown
 from accelnb.wire.result_pickling import loads_in_kernel
 from accelnb.wire.spec import WorkerSpec
-from tests.conftest import wait_until_no_workers
+from tests.conftest import is_standby, wait_until_no_workers
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -136,9 +136,10 @@ def end_leftovers(processes: list[tuple[int, float]]) -> None:
 
 
 def helper_children_not_workers(helper_pid: int) -> list[psutil.Process]:
-    """Children of the helper once no worker runs: anything here is a leak (a zombie or an adoptee)."""
+    """Children of the helper once no worker runs: anything here is a leak (a zombie or an
+    adoptee), but the children it forks ahead of the next launch."""
     try:
-        return psutil.Process(helper_pid).children()
+        return [p for p in psutil.Process(helper_pid).children() if not is_standby(p)]
     except psutil.NoSuchProcess:
         return []
 

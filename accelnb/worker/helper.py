@@ -77,6 +77,7 @@ from typing import Any
 from accelnb.wire.spec import RankFds, split_fds
 from accelnb.wire.template import FollowImports
 from accelnb.worker import template_imports
+from accelnb.worker.standby_ranks import StandbyRanks
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -160,10 +161,14 @@ class Following:
                 return
         self._answer_finished()
 
-    def finish_all(self) -> None:
-        """Import everything asked for but the optional (a launch is about to fork)."""
+    def finish_all(self) -> bool:
+        """Import everything asked for but the optional (a launch is about to fork); True when
+        there was anything to do."""
+        worked = False
         while self._queue and self.unsafe is None:
             self.step()
+            worked = True
+        return worked
 
     def _answer_finished(self) -> None:
         for queue in (self._queue, self._optional):
@@ -186,28 +191,37 @@ def serve(sock: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     workers: set[int] = set()
     following = Following(sock)
+    standby = StandbyRanks(close_in_child=(sock.fileno(), wake_r, wake_w))
     while True:
         importing = following.has_work(ranks_running=bool(workers))
-        readable, _, _ = select.select([sock.fileno(), wake_r], [], [], 0 if importing else None)
+        refilling = not importing and not workers and following.unsafe is None and standby.short()
+        readable, _, _ = select.select([sock.fileno(), wake_r], [], [], 0 if importing or refilling else None)
         if not readable and importing:
+            standby.let_go()  # forked before this import: a rank must have all its template has
             following.step()
+            continue
+        if not readable and refilling:
+            standby.fork_one(become_rank=lambda spec, fds: _become_worker(spec, fds, leave_template=False),
+                             leave_template=_leave_template)
             continue
         if wake_r in readable:
             _drain(wake_r)
-        _reap(sock, workers, wake_r)
+        _reap(sock, workers, standby, wake_r)
         if sock.fileno() in readable:
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 1 << 20, MAX_FDS_PER_MESSAGE)
             except OSError:
                 data, fds = b"", []
             if not data:
+                standby.let_go()
                 _end_descendants(set(), wake_r)
                 return
             message = pickle.loads(data)
             if isinstance(message, FollowImports):
                 following.add(message)
             elif message[0] == "spawn":
-                following.finish_all()
+                if following.finish_all():
+                    standby.let_go()
                 if following.unsafe is not None:
                     for fd in fds:
                         os.close(fd)
@@ -215,25 +229,33 @@ def serve(sock: socket.socket) -> None:
                     send(sock, ("spawn_failed", message[1], f"the template became unsafe to fork after "
                                                             f"importing {module}: {reason}"))
                     continue
-                _spawn(sock, message[1], message[2], fds, workers, (wake_r, wake_w))
+                _spawn(sock, message[1], message[2], fds, workers, standby, (wake_r, wake_w))
 
 
 def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int],
-           workers: set[int], own_fds: tuple[int, int]) -> None:
+           workers: set[int], standby: StandbyRanks, own_fds: tuple[int, int]) -> None:
+    """One rank per spec: handed to a waiting child where one waits, else forked now."""
     pids: list[int] = []
+    standby.wanted = len(specs)  # the next launch most likely has as many
     # The template's objects (torch's ~300k) are never collected in a rank: a rank's full
     # collection would otherwise walk them all (0.1-0.35 s, a stall in its training loop) and
     # copy every page it touches (their GC headers), which a fork shares until written.
     gc.freeze()
     try:
         for spec, mine in zip(specs, split_fds(fds, specs), strict=True):
-            pid = os.fork()
+            pid = standby.hand_over(spec, mine)
+            if pid is None:
+                pid = os.fork()
             if pid == 0:
                 # The other ranks' fds must not live on in this worker (the store socket would
                 # stay bound, and pipes would not see end of file).
                 for fd in set(fds) - set(mine.flat()):
                     os.close(fd)
-                _become_worker(spec, mine, sock, own_fds)  # never returns
+                sock.close()
+                for fd in own_fds:
+                    os.close(fd)
+                standby.close_in_rank()
+                _become_worker(spec, mine, leave_template=True)  # never returns
             workers.add(pid)
             pids.append(pid)
         send(sock, ("spawned", request_id, pids))
@@ -248,8 +270,9 @@ def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int
             os.close(fd)
 
 
-def _become_worker(spec: Any, fds: RankFds, sock: socket.socket, own_fds: tuple[int, int]) -> None:
-    """The forked child's way from the helper's state to ``worker_main``; never returns.
+def _become_worker(spec: Any, fds: RankFds, leave_template: bool) -> None:
+    """A child of the template from its spec to ``worker_main``; never returns. ``leave_template``:
+    it has not yet done :func:`_leave_template` (a rank forked at launch; a waiting one has).
 
     Output goes to the rank's pipes first, so that a failure after that is visible: its
     traceback goes to the rank's stderr, and a set-up failure event to the kernel, which then
@@ -263,19 +286,8 @@ def _become_worker(spec: Any, fds: RankFds, sock: socket.socket, own_fds: tuple[
         os.close(fds.stdout)
         os.close(fds.stderr)
         stderr_fd = 2
-        parent = os.getppid()
-        os.setsid()  # out of the kernel's group: a notebook interrupt must not reach us directly
-        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
-        if os.getppid() != parent:  # the helper died between fork and prctl
-            os._exit(code)
-        become_subreaper()
-        signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        sock.close()
-        for fd in own_fds:
-            os.close(fd)
+        if leave_template:
+            _leave_template()
         from accelnb.worker.main import worker_main
 
         code = worker_main(spec, fds.inbox, fds.events, fds.store)
@@ -283,6 +295,22 @@ def _become_worker(spec: Any, fds: RankFds, sock: socket.socket, own_fds: tuple[
         _report_start_failure(spec.rank, stderr_fd, fds.events, error)
     finally:
         os._exit(code)
+
+
+def _leave_template() -> None:
+    """What a child of the template does first, whichever rank it becomes: a session of its own
+    (a notebook interrupt must not reach it directly), death with the template, the subreaper's
+    duty for what it starts, and default signal handling."""
+    parent = os.getppid()
+    os.setsid()
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the helper died between fork and prctl
+        os._exit(START_FAILED_EXIT_CODE)
+    become_subreaper()
+    signal.set_wakeup_fd(-1)
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def _report_start_failure(rank: int, stderr_fd: int, events_fd: int, error: BaseException) -> None:
@@ -301,18 +329,18 @@ def _report_start_failure(rank: int, stderr_fd: int, events_fd: int, error: Base
         pass  # the traceback above is all we could do
 
 
-def _reap(sock: socket.socket, workers: set[int], wake_r: int) -> None:
+def _reap(sock: socket.socket, workers: set[int], standby: StandbyRanks, wake_r: int) -> None:
     """Reap every dead child; for each dead worker, end what it left behind, then report it."""
     while True:
-        exits = _reap_dead_children(workers)
+        exits = _reap_dead_children(workers, standby)
         if not exits:
             return
-        _end_descendants(workers, wake_r)
+        _end_descendants(workers | standby.pids, wake_r)
         for pid, code, reaped_at in exits:
             send(sock, ("exited", pid, code, reaped_at))
 
 
-def _reap_dead_children(workers: set[int]) -> list[tuple[int, int, float]]:
+def _reap_dead_children(workers: set[int], standby: StandbyRanks) -> list[tuple[int, int, float]]:
     """Wait for every child that has exited; returns the workers among them (pid, code, time)."""
     exits = []
     while True:
@@ -322,9 +350,10 @@ def _reap_dead_children(workers: set[int]) -> list[tuple[int, int, float]]:
             break
         if pid == 0:
             break
-        if pid in workers:  # anything else is a leftover of a dead rank: nobody's business
+        if pid in workers:  # anything else is a leftover of a dead rank or a waiting child: nobody's business
             workers.discard(pid)
             exits.append((pid, os.waitstatus_to_exitcode(status), time.time()))
+        standby.forget(pid)  # one that died waiting: its pid may be reused, never to be killed
     return exits
 
 

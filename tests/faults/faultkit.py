@@ -33,6 +33,8 @@ from typing import Any
 
 import psutil
 
+from tests.conftest import is_standby
+
 FAULTS = ("exception", "sys_exit", "os_exit", "sigkill", "segfault", "hang_python",
           "hang_collective", "ignore_sigterm")
 
@@ -134,8 +136,10 @@ def ok_target() -> float:
 
 # ── kernel side ─────────────────────────────────────────────────────────────────────────────
 def descendants(pid: int) -> list[psutil.Process]:
+    """What runs below ``pid``, but a template's children waiting for a rank to become: they are
+    the template's own, and end with it (``worker/standby_ranks.py``)."""
     with contextlib.suppress(psutil.Error):
-        return psutil.Process(pid).children(recursive=True)
+        return [p for p in psutil.Process(pid).children(recursive=True) if not is_standby(p)]
     return []
 
 

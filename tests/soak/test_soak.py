@@ -24,6 +24,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "faults"))
 from kernel_driver import NotebookKernel
 
+from tests.conftest import is_standby
+
 LAUNCHES = int(os.environ.get("ACCELNB_SOAK_LAUNCHES", "500"))
 WARM_UP = 10
 MAX_GROWTH = 0.05
@@ -67,7 +69,8 @@ class Usage:
     @classmethod
     def of(cls, pid: int) -> Usage:
         process = psutil.Process(pid)
-        children = [p for p in process.children(recursive=True) if p.status() != psutil.STATUS_ZOMBIE]
+        children = [p for p in process.children(recursive=True)
+                    if p.status() != psutil.STATUS_ZOMBIE and not is_standby(p)]
         return cls(process.num_fds(), process.num_threads(), len(children),
                    process.memory_info().rss / 2**20)
 

@@ -1,0 +1,128 @@
+"""Ranks forked ahead of a launch (``worker/standby_ranks.py``): a launch takes the children the
+template forked while idle, and those children are never older than what the template imported.
+
+Real templates, real launches; a waiting child is found by the name it carries
+(``accelnb-standby``), and a launch's ranks are compared with them by pid.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+import accelnb
+from accelnb.kernel.helper.template import running_helper_pid, shared_helper
+from accelnb.worker.standby_ranks import STANDBY_NAME
+from tests.conftest import is_standby
+
+pytestmark = pytest.mark.usefixtures("no_leftovers")
+
+WAIT_S = 30.0  # the template forks them once idle: milliseconds, but a loaded CI machine is slow
+
+
+def waiting_children(count: int) -> list[psutil.Process]:
+    """The template's waiting children, once there are ``count`` of them (polled, bounded)."""
+    template = running_helper_pid()
+    assert template is not None
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        found = [p for p in psutil.Process(template).children() if is_standby(p)]
+        if len(found) == count:
+            return found
+        assert time.monotonic() < deadline, f"{len(found)} waiting children after {WAIT_S} s, expected {count}"
+        time.sleep(0.02)
+
+
+def who_am_i(names: list[str]) -> dict[str, object]:
+    import os
+    import sys
+
+    import psutil
+    import torch.distributed as dist
+
+    me = psutil.Process()
+    return {"pid": os.getpid(), "name": me.name(), "rank": dist.get_rank(), "cwd": os.getcwd(),
+            "variable": os.environ.get("ACCELNB_TEST_STANDBY"), "loaded": {n: n in sys.modules for n in names}}
+
+
+def launch(*names: str) -> dict[int, dict[str, object]]:
+    result = accelnb.launch(who_am_i, (list(names),), num_processes=2, cpu=True, quiet=True, timeout=120)
+    return result.values  # type: ignore[return-value]
+
+
+@pytest.fixture
+def following(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """Templates follow this process's imports, as for users; a folder of the user's modules."""
+    monkeypatch.setenv("ACCELNB_TEMPLATE", "on")
+    sys.path.insert(0, str(tmp_path))
+    before = set(sys.modules)
+    yield tmp_path
+    sys.path.remove(str(tmp_path))
+    for name in set(sys.modules) - before:
+        if str(tmp_path) in (getattr(sys.modules[name], "__file__", "") or ""):
+            del sys.modules[name]
+
+
+def test_a_launch_takes_the_children_forked_while_the_template_was_idle(monkeypatch: pytest.MonkeyPatch) -> None:
+    shared_helper()
+    launch()  # the template now keeps two waiting
+    waiting = waiting_children(2)
+    assert all(p.name() == STANDBY_NAME for p in waiting)
+    monkeypatch.setenv("ACCELNB_TEST_STANDBY", "set after they were forked")
+    monkeypatch.chdir(Path(__file__).parent)
+    found = launch()
+    assert {v["pid"] for v in found.values()} == {p.pid for p in waiting}
+    for rank, seen in found.items():
+        assert seen["rank"] == rank
+        assert seen["name"] != STANDBY_NAME  # a rank takes the template's name back
+        assert seen["variable"] == "set after they were forked"  # the launch's environment, not the fork's
+        assert seen["cwd"] == str(Path(__file__).parent)
+    waiting_children(2)  # and two more wait for the next launch
+
+
+def test_an_import_lets_the_waiting_children_go_so_a_rank_has_all_its_template_has(following: Path) -> None:
+    shared_helper()
+    launch()
+    before = {p.pid for p in waiting_children(2)}
+    module = following / "imported_after_the_fork.py"
+    module.write_text(textwrap.dedent("VALUE = 1\n"))
+    importlib.invalidate_caches()
+    import imported_after_the_fork  # noqa: F401  (a notebook cell's import, after the children were forked)
+
+    found = launch("imported_after_the_fork")
+    assert all(v["loaded"] == {"imported_after_the_fork": True} for v in found.values())  # from the template
+    assert not {v["pid"] for v in found.values()} & before  # not the children forked before the import
+    for pid in before:
+        assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+
+
+def test_a_waiting_child_that_was_killed_is_replaced_by_a_fork_at_launch() -> None:
+    shared_helper()
+    launch()
+    victim, survivor = waiting_children(2)
+    os.kill(victim.pid, signal.SIGKILL)  # the OOM killer's choice
+    victim.wait(10)
+    found = launch()
+    pids = {v["pid"] for v in found.values()}
+    assert survivor.pid in pids and victim.pid not in pids and len(pids) == 2
+
+
+def test_waiting_children_end_with_the_template() -> None:
+    shared_helper()
+    launch()
+    waiting = waiting_children(2)
+    template = psutil.Process(running_helper_pid())  # type: ignore[arg-type]
+    template.kill()
+    template.wait(10)
+    _gone, alive = psutil.wait_procs(waiting, timeout=10)  # PR_SET_PDEATHSIG
+    assert alive == []
+    assert launch()[0]["rank"] == 0  # the next launch starts another template
