@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import importlib.metadata
 import os
 import platform
+import shutil
 import signal
+import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import psutil
 import pytest
 
+from accelnb.kernel.helper.client import HELPER_MODULE
 from accelnb.kernel.helper.template import running_helper_pid
-from accelnb.worker.standby_ranks import STANDBY_NAME
+from accelnb.worker.template.standby_ranks import STANDBY_NAME
 
 if TYPE_CHECKING:
     from jupyter_client.blocking.client import BlockingKernelClient
@@ -96,16 +100,20 @@ def worker_processes() -> list[psutil.Process]:
 
 
 def is_standby(process: psutil.Process) -> bool:
-    """A child the template forked ahead of a launch and that still waits (it has no rank yet)."""
+    """A child the template forked ahead of a launch and that still waits (it has no rank yet).
+    The template carries that name too while it forks one (so the child is born with it): only
+    a template's child counts."""
     try:
-        return process.name() == STANDBY_NAME
-    except psutil.NoSuchProcess:
+        parent = process.parent()
+        return (process.name() == STANDBY_NAME and parent is not None
+                and HELPER_MODULE in " ".join(parent.cmdline()))
+    except psutil.Error:
         return False
 
 
 def live_descendants(pid: int) -> list[psutil.Process]:
     """Every process below ``pid`` that still runs (zombies excluded), but a template's children
-    that wait for a rank to become (``worker/standby_ranks.py``): they are the template's, not a
+    that wait for a rank to become (``worker/template/standby_ranks.py``): they are the template's, not a
     launch's, and end with it."""
     try:
         children = psutil.Process(pid).children(recursive=True)
@@ -114,18 +122,53 @@ def live_descendants(pid: int) -> list[psutil.Process]:
     return [child for child in children if _running(child) and not is_standby(child)]
 
 
+def kernel_manager(**traits: Any) -> KernelManager:
+    """A kernel manager whose kernel listens on Unix sockets of its own, not on TCP ports.
+
+    jupyter_client picks a kernel's five TCP ports by binding port 0 and closing it; the kernel
+    binds them a moment later, and on a machine where other tests' ranks and stores open
+    connections all the while, one of those can take the port first ("Address already in use",
+    the kernel dies before it answers). Socket files in a folder of this process's own cannot
+    be taken."""
+    from jupyter_client.manager import KernelManager
+
+    global _kernels_made
+    _kernels_made += 1
+    return KernelManager(transport="ipc", ip=os.path.join(_kernel_sockets(), f"k{_kernels_made}"), **traits)
+
+
+def _kernel_sockets() -> str:
+    global _kernel_socket_folder
+    if _kernel_socket_folder is None:  # short: a socket's path may not pass 107 bytes
+        _kernel_socket_folder = tempfile.mkdtemp(prefix="anb-kernels-", dir="/tmp")
+        atexit.register(shutil.rmtree, _kernel_socket_folder, True)
+    return _kernel_socket_folder
+
+
+_kernels_made = 0
+_kernel_socket_folder: str | None = None
+
+
 def start_repo_kernel(**env: str | None) -> tuple[KernelManager, BlockingKernelClient]:
     """A real kernel importing this working tree's accelnb; ``env`` sets (or, with None, removes)
     variables of its environment."""
-    from jupyter_client.manager import start_new_kernel
-
     environ = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p))
     for name, value in env.items():
         if value is None:
             environ.pop(name, None)
         else:
             environ[name] = value
-    return start_new_kernel(kernel_name="python3", env=environ, cwd=str(REPO))
+    manager = kernel_manager(kernel_name="python3")
+    manager.start_kernel(env=environ, cwd=str(REPO))
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+    except RuntimeError:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+        raise
+    return manager, client
 
 
 def cell_messages(client: BlockingKernelClient, msg_id: str, timeout: float = 180) -> list[dict[str, Any]]:
@@ -173,7 +216,8 @@ def run_notebook(cells: list[str], timeout: int = 180, env: dict[str, str] | Non
     old = {k: os.environ.get(k) for k in (env or {})}
     os.environ.update(env or {})
     try:
-        nbclient.NotebookClient(nb, kernel_name="python3", timeout=timeout, allow_errors=True).execute()
+        nbclient.NotebookClient(nb, km=kernel_manager(kernel_name="python3"), timeout=timeout,
+                                allow_errors=True).execute()
     finally:
         for key, value in old.items():
             if value is None:

@@ -46,7 +46,7 @@ def facts(*ignored):
     parent = " ".join(psutil.Process(os.getppid()).cmdline())
     return {"kernel_only": "kernel_only" in sys.modules, "get_ipython": IPython.get_ipython(),
             "ps1": hasattr(sys, "ps1"), "widget_bar": issubclass(tqdm, widget_bar),
-            "in_notebook": is_in_notebook(), "from_template": "-m accelnb.worker.helper" in parent,
+            "in_notebook": is_in_notebook(), "from_template": "-m accelnb.worker.template.helper" in parent,
             "preloaded": preloaded}
 """
 PLAIN = {"kernel_only": False, "get_ipython": None, "ps1": False, "widget_bar": False, "in_notebook": False,

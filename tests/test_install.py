@@ -35,7 +35,7 @@ from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.kernelspec import KernelSpecManager
 from jupyter_client.manager import KernelManager
 
-from tests.conftest import REPO, error_of, live_descendants, result_of, stream_text
+from tests.conftest import REPO, error_of, kernel_manager, live_descendants, result_of, stream_text
 from tests.test_packaging import EXTENSION, GPUS_TOOLBAR_ITEM, toolbar_items
 
 # The first test carries the installs and the last the removal of the environment: a minute
@@ -229,8 +229,8 @@ def kernel(installed: InstalledEnvironment, tmp_path_factory: pytest.TempPathFac
     (spec_dir / "kernel.json").write_text(json.dumps({
         "argv": [str(installed.python), "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": "Python (accelnb installed)", "language": "python"}))
-    manager = KernelManager(kernel_name=KERNEL_NAME,
-                            kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec_dir.parent)]))
+    manager = kernel_manager(kernel_name=KERNEL_NAME,
+                             kernel_spec_manager=KernelSpecManager(kernel_dirs=[str(spec_dir.parent)]))
     with timed("kernel start"):
         manager.start_kernel(env=kernel_environment(installed), cwd=str(tmp_path_factory.mktemp("cwd")))
         client = manager.client()

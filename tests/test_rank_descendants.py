@@ -227,7 +227,7 @@ class PrivateHelper:
     def __init__(self) -> None:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "accelnb.worker.helper", str(theirs.fileno()), "torch.distributed",
+            [sys.executable, "-m", "accelnb.worker.template.helper", str(theirs.fileno()), "torch.distributed",
              "accelnb.worker.main"],
             pass_fds=(theirs.fileno(),), start_new_session=True,
             env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})

@@ -1,4 +1,4 @@
-"""Ranks forked ahead of a launch (``worker/standby_ranks.py``): a launch takes the children the
+"""Ranks forked ahead of a launch (``worker/template/standby_ranks.py``): a launch takes the children the
 template forked while idle, and those children are never older than what the template imported.
 
 Real templates, real launches; a waiting child is found by the name it carries
@@ -21,7 +21,7 @@ import pytest
 
 import accelnb
 from accelnb.kernel.helper.template import running_helper_pid, shared_helper
-from accelnb.worker.standby_ranks import STANDBY_NAME
+from accelnb.worker.template.standby_ranks import STANDBY_NAME
 from tests.conftest import is_standby
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")

@@ -1,4 +1,4 @@
-"""The template the ranks fork from (``kernel/helper/template.py``, ``worker/helper.py``), from a script.
+"""The template the ranks fork from (``kernel/helper/template.py``, ``worker/template/helper.py``), from a script.
 
 This test process plays the kernel: what it imported, the template imports too, in a fresh
 interpreter that is never a fork of it. Each test writes the modules it needs into its own folder
@@ -90,7 +90,8 @@ def test_ranks_fork_from_a_fresh_interpreter_that_imported_what_this_process_has
     for found in values.values():
         assert found["loaded"] == {"users_model": True, "only_in_memory": False}
         assert found["parent"] == helper and found["grandparent"] == os.getpid()
-        assert "-m accelnb.worker.helper" in str(found["parent_cmdline"])  # a program of its own, not a fork of ours
+        # a program of its own, not a fork of ours
+        assert "-m accelnb.worker.template.helper" in str(found["parent_cmdline"])
 
 
 def what_a_full_collection_walks() -> tuple[int, int]:

@@ -1,7 +1,7 @@
 """Framed pickled messages over a private ``AF_UNIX`` stream socket: the wire between kernel and workers.
 
 Each worker has two such sockets (``socketpair``, so nobody else can connect to them; that is
-why no authentication is needed, see the security notes in ``worker/helper.py``): its inbox
+why no authentication is needed, see the security notes in ``worker/template/helper.py``): its inbox
 (kernel → worker) and its events (worker → kernel). They are sockets, not pipes, because a frame
 may carry a file descriptor: the control plane (small pickled messages) and the data plane (big
 buffers in shared memory, ``wire/shared_memory.py``) travel together.

@@ -1,4 +1,4 @@
-"""What the kernel tells its template about the imports to follow (``worker/helper.py``'s protocol).
+"""What the kernel tells its template about the imports to follow (``worker/template/helper.py``'s protocol).
 
 The template (accelnb's helper process, the clean interpreter every rank is forked from) imports
 what the kernel has imported, so that a rank finds its libraries loaded without being a fork of

@@ -1,6 +1,6 @@
 """What runs inside each worker process, from the fork in the helper to ``os._exit``.
 
-The helper (``worker/helper.py``, the template: a clean interpreter that never was the kernel)
+The helper (``worker/template/helper.py``, the template: a clean interpreter that never was the kernel)
 forks, points fds 1 and 2 at the kernel's pipes, makes the
 worker a child subreaper (whatever the rank starts stays in its process tree, and the helper
 ends it once the rank is gone), and calls :func:`worker_main`. The worker then:

@@ -137,7 +137,7 @@ def ok_target() -> float:
 # ── kernel side ─────────────────────────────────────────────────────────────────────────────
 def descendants(pid: int) -> list[psutil.Process]:
     """What runs below ``pid``, but a template's children waiting for a rank to become: they are
-    the template's own, and end with it (``worker/standby_ranks.py``)."""
+    the template's own, and end with it (``worker/template/standby_ranks.py``)."""
     with contextlib.suppress(psutil.Error):
         return [p for p in psutil.Process(pid).children(recursive=True) if not is_standby(p)]
     return []

@@ -18,6 +18,8 @@ from typing import Any
 
 from jupyter_client.manager import KernelManager
 
+from tests.conftest import kernel_manager
+
 REPO = Path(__file__).resolve().parents[2]
 FAULTS_DIR = Path(__file__).resolve().parent
 
@@ -45,7 +47,7 @@ class NotebookKernel:
 
     @classmethod
     def start(cls) -> NotebookKernel:
-        km = KernelManager(kernel_name="python3")
+        km = kernel_manager(kernel_name="python3")  # Unix sockets: no port another process can take
         paths = (str(REPO), str(FAULTS_DIR), os.environ.get("PYTHONPATH"))
         python_path = os.pathsep.join(p for p in paths if p)
         km.start_kernel(env={**os.environ, "PYTHONPATH": python_path}, cwd=str(REPO))

@@ -1,7 +1,7 @@
-"""The kernel's handle on a template process (see ``worker/helper.py`` for the why).
+"""The kernel's handle on a template process (see ``worker/template/helper.py`` for the why).
 
 A :class:`WorkerHelper` is one running template: a fresh interpreter (``python -m
-accelnb.worker.helper``, never a fork of the kernel) and the private socket to it. Which template
+accelnb.worker.template.helper``, never a fork of the kernel) and the private socket to it. Which template
 the kernel uses, and when it is replaced, is ``kernel/helper/template.py``'s business. Usually only
 the thread that launches talks to it; a sweep (``accelnb.sweep``) runs several launches at once,
 one thread each, on this one template, so every exchange on its socket holds its lock: a spawn
@@ -41,7 +41,7 @@ from accelnb.kernel.helper.process_exits import HelperExit, helper_died
 from accelnb.wire.spec import RankFds, WorkerSpec
 from accelnb.wire.template import FollowImports
 
-HELPER_MODULE = "accelnb.worker.helper"  # named, not imported: it runs on the worker side
+HELPER_MODULE = "accelnb.worker.template.helper"  # named, not imported: it runs on the worker side
 START_TIMEOUT_S = 120.0
 SPAWN_TIMEOUT_S = 60.0
 # A launch waits this long for the template to import what the kernel has (transformers and its

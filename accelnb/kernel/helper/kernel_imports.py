@@ -1,6 +1,6 @@
 """What the kernel has imported that its template should import too, and when the template is stale.
 
-The template (``worker/helper.py``) imports the modules in the kernel's ``sys.modules``, in the
+The template (``worker/template/helper.py``) imports the modules in the kernel's ``sys.modules``, in the
 order the kernel imported them, so that a rank forked from it finds them loaded, less:
 
 - the kernel's own machinery (IPython, ipykernel, zmq, tornado, comm, ipywidgets, jupyter_*, …)

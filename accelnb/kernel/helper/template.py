@@ -1,6 +1,6 @@
 """The kernel's template: the one clean process its ranks are forked from, kept in step with it.
 
-A process (a kernel, or a script) has one current template (``worker/helper.py`` says what it is).
+A process (a kernel, or a script) has one current template (``worker/template/helper.py`` says what it is).
 It is started on first use, ahead of time by :func:`prewarm` (``%load_ext accelnb``), or after a
 cell of a kernel that imported accelnb (:func:`follow_in_background`, which the notebook side
 calls from IPython's ``post_run_cell``), so that the first launch finds it warm. It follows the

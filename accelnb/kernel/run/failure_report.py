@@ -32,7 +32,7 @@ from accelnb.kernel.stacks.faulthandler_dumps import clean_stack_dump
 from accelnb.wire.events import CallError
 from accelnb.wire.result_pickling import loads_in_kernel
 
-# The exit status of a worker whose set-up failed before it could report why: worker/helper.py
+# The exit status of a worker whose set-up failed before it could report why: worker/template/helper.py
 # exits with 70 (os.EX_SOFTWARE) when anything before worker_main raises.
 SETUP_FAILED_EXIT_CODE = 70
 # The type a rank reports when the user typed `q` at its (Pdb) prompt (worker/rank_debugger.py).

@@ -149,7 +149,7 @@ class RankProcesses:
                 _signal_group(process, signal.SIGKILL)
         wait_for_exits(time.monotonic() + KILL_WAIT_S)
         # A reaped worker is not signalled again: its pid may already be reused, and the helper
-        # reports an exit only after ending everything that rank left behind (worker/helper.py).
+        # reports an exit only after ending everything that rank left behind (worker/template/helper.py).
         unreaped = [process for process in self.ranks if process.alive]
         for process in unreaped:
             _signal_group(process, signal.SIGKILL)

@@ -55,7 +55,7 @@ under it is killed and the helper exits. Workers also get ``PR_SET_PDEATHSIG`` s
 the helper. (If the helper itself is SIGKILLed, its workers die that way, and whatever they left
 behind is re-parented to init: no process of accelnb's remains to end it.)
 
-Run as ``python -m accelnb.worker.helper CONTROL_FD``.
+Run as ``python -m accelnb.worker.template.helper CONTROL_FD``.
 """
 
 from __future__ import annotations
@@ -76,8 +76,8 @@ from typing import Any
 
 from accelnb.wire.spec import RankFds, split_fds
 from accelnb.wire.template import FollowImports
-from accelnb.worker import template_imports
-from accelnb.worker.standby_ranks import StandbyRanks
+from accelnb.worker.template import imports as template_imports
+from accelnb.worker.template.standby_ranks import StandbyRanks
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -114,7 +114,7 @@ def become_subreaper() -> None:
 
 class Following:
     """The imports the kernel asked for and not yet made, in order, and whether this template is
-    still fit to fork (see ``worker/template_imports.py``)."""
+    still fit to fork (see ``worker/template/imports.py``)."""
 
     def __init__(self, sock: socket.socket) -> None:
         self._sock = sock
