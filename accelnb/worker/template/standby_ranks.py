@@ -33,7 +33,7 @@ from typing import Any
 
 from accelnb.wire.spec import RankFds, split_fds
 
-MAX_STANDBY = 16  # a launch of more ranks forks the rest; each waiting child holds a few MiB
+MAX_STANDBY = 16  # a launch of more ranks forks the rest; a waiting child holds about 2 MiB of its own
 MAX_SPEC_BYTES = 1 << 20
 MAX_FDS = 5  # a rank's RankFds: stdout, stderr, events, inbox, and maybe the store
 # What ps, top and psutil call a waiting child (the kernel's ``comm``, 15 bytes at most): someone
