@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 import os
 import platform
 import statistics
@@ -45,7 +46,11 @@ SESSION_START = "%distributed start --procs 2 --cpu"
 PX_START = ("import ipyparallel as ipp\ncluster = ipp.Cluster(n=2, log_level=40)\n"
             "rc = cluster.start_and_connect_sync()\nrc[:].activate()")
 PX_STOP = "rc.close(); cluster.stop_cluster_sync()"
-CELLS = {"plain": "x = 1", "accelnb": "%%distributed\nx = 1", "ipyparallel": "%%px\nx = 1"}
+# "{n}": the cell's number. accelnb names what a cell brought back only when that changed, so the
+# same cell run again prints nothing; "accelnb_new_name" brings back a new name every time, and
+# pays for the line that says so (one more IOPub message).
+CELLS = {"plain": "x = 1", "accelnb": "%%distributed\nx = 1", "accelnb_new_name": "%%distributed\nx{n} = 1",
+         "ipyparallel": "%%px\nx = 1"}
 
 
 def start_kernel() -> tuple[Any, Any]:
@@ -100,26 +105,29 @@ def cell_round_trips(kinds: list[str], rounds: int, per_round: int) -> dict[str,
     """Each kind's kernel, set up once; then ``rounds`` rounds of ``per_round`` cells each, the
     kinds taking turns round by round."""
     kernels: dict[str, tuple[Any, Any]] = {}
+    numbers = itertools.count()
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     try:
         for kind in kinds:
             manager, client = kernels[kind] = start_kernel()
             run(client, FIRST_CELL)
-            if kind == "accelnb":
+            if kind.startswith("accelnb"):
                 run(client, SESSION_START)
             elif kind == "ipyparallel":
                 run(client, PX_START)
             for _ in range(5):  # warm-up, not counted
-                run(client, CELLS[kind])
+                run(client, CELLS[kind].format(n=next(numbers)))
         for _ in range(rounds):
             for kind in kinds:
                 client = kernels[kind][1]
-                times[kind] += [run(client, CELLS[kind]) for _ in range(per_round)]
+                times[kind] += [run(client, CELLS[kind].format(n=next(numbers))) for _ in range(per_round)]
         return times
     finally:
         for kind, (manager, client) in kernels.items():
             try:
-                run(client, "%distributed stop" if kind == "accelnb" else PX_STOP if kind == "ipyparallel" else "pass")
+                stop = ("%distributed stop" if kind.startswith("accelnb")
+                        else PX_STOP if kind == "ipyparallel" else "pass")
+                run(client, stop)
             except RuntimeError:
                 pass  # the kernel is shut down next in any case
             finally:
@@ -152,21 +160,22 @@ def main() -> None:
     rounds, per_round, starts = (2, 5, 1) if options.quick else (10, 10, 3)
     try:
         import ipyparallel  # noqa: F401
-        kinds = ["plain", "accelnb", "ipyparallel"]
+        kinds = ["plain", "accelnb", "accelnb_new_name", "ipyparallel"]
         missing = ""
     except ImportError:
-        kinds = ["plain", "accelnb"]
+        kinds = ["plain", "accelnb", "accelnb_new_name"]
         missing = "ipyparallel is not installed (`pip install ipyparallel`): its rows are n/a"
     load_before = os.getloadavg()
     began = time.monotonic()
     cells = cell_round_trips(kinds, rounds, per_round)
-    start_times = {kind: session_starts(kind, starts) for kind in kinds if kind != "plain"}
+    start_times = {kind: session_starts(kind, starts) for kind in ("accelnb", "ipyparallel") if kind in kinds}
     load_after = os.getloadavg()
 
     def median(values: list[float] | None) -> float | None:
         return statistics.median(values) if values else None
 
     plain, ours, px = median(cells.get("plain")), median(cells.get("accelnb")), median(cells.get("ipyparallel"))
+    ours_new = median(cells.get("accelnb_new_name"))
     lines = [
         HEADING, "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {os.cpu_count()} CPUs "
@@ -176,11 +185,16 @@ def main() -> None:
         *([f"- {missing}"] if missing else []), "",
         "### 1. A cell's round trip, Shift-Enter to the cell's end (ms)", "",
         f"`x = 1` as a plain cell, a `%%distributed` cell in a session of 2 CPU ranks, a `%%px` cell on 2 "
-        f"engines; {rounds} rounds of {per_round} cells each, the kernels taking turns.", "",
+        f"engines; {rounds} rounds of {per_round} cells each, the kernels taking turns. The `%%distributed` "
+        "cell brings `x` back from rank 0 and names it the first time only (the same names again: nothing "
+        "new to say); `x<n> = 1` brings back a new name each time, and its cell says so, one line more.", "",
         *table([("plain cell", cells.get("plain", [])), ("accelnb %%distributed", cells.get("accelnb", [])),
+                ("accelnb %%distributed, a new name each cell", cells.get("accelnb_new_name", [])),
                 ("ipyparallel %%px", cells.get("ipyparallel", []))], 1000, "ms"), "",
         "| ratio (medians) | value | target | verdict |", "| --- | ---: | ---: | ---: |",
         ratio_row("accelnb cell / plain cell", ours / plain if ours and plain else None, "≤ 1.2", lambda v: v <= 1.2),
+        ratio_row("accelnb cell, a new name each cell / plain cell", ours_new / plain if ours_new and plain else None,
+                  "≤ 1.2", lambda v: v <= 1.2),
         ratio_row("accelnb cell / %%px cell", ours / px if ours and px else None, "≤ 0.4", lambda v: v <= 0.4), "",
         "### 2. Session start, from a kernel with everything imported (s)", "",
         *table([("accelnb `%distributed start --procs 2 --cpu`", start_times.get("accelnb", [])),

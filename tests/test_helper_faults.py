@@ -13,6 +13,7 @@ its descendants become its children, so none can hide under init.
 from __future__ import annotations
 
 import ctypes
+import gc
 import os
 import signal
 import time
@@ -68,6 +69,9 @@ def wait_for_the_end(data: bytes) -> int:
 
 # ── what the kernel process holds ───────────────────────────────────────────────────────────
 def open_fds() -> set[str]:
+    # Garbage first: a kernel client an earlier test stopped closes its zmq sockets only when it is
+    # collected, which would change this process's fds in the middle of a test.
+    gc.collect()
     return set(os.listdir("/proc/self/fd"))
 
 

@@ -68,6 +68,10 @@ CELLS = {
     "session_1": "%%distributed\nmodel = Net()\nw0 = model.fc.weight.sum().item()",
     "session_2": ("%%distributed\nwith torch.no_grad():\n    model.fc.weight.add_(1.0)\n"
                   "round(model.fc.weight.sum().item() - w0, 3)"),
+    "same_names_1": "%%distributed\nrepeated = rank + 1",
+    "same_names_2": "%%distributed\nrepeated = rank + 2",
+    "new_names": "%%distributed\nrepeated = rank + 3\nalso = 4",
+    "brought_back": "print(repeated, also)",
     "devices_are_fixed": "%%distributed --procs 3 --cpu\nprint(1)",
     "no_restarts_in_a_session": "%%distributed --max-restarts 2\nprint(1)",
     "status": "%distributed status",
@@ -153,6 +157,13 @@ def test_a_session_keeps_each_ranks_variables_between_cells(outputs: dict[str, A
     assert sorted(pids_in(status)) == started
     fixed = stream_text(outputs["devices_are_fixed"], "stderr")
     assert "UsageError: A persistent session is running" in fixed and "--procs" in fixed
+
+
+def test_the_names_brought_back_are_named_when_they_change(outputs: dict[str, Any]) -> None:
+    assert "accelnb: brought back from rank 0: repeated" in stream_text(outputs["same_names_1"])
+    assert "brought back" not in stream_text(outputs["same_names_2"])  # the same names: nothing new to say
+    assert "accelnb: brought back from rank 0: repeated, also" in stream_text(outputs["new_names"])
+    assert stream_text(outputs["brought_back"]).strip() == "3 4"  # said or not, they came back
 
 
 def test_max_restarts_restarts_a_one_shot_cell_and_is_refused_in_a_session(outputs: dict[str, Any]) -> None:

@@ -22,7 +22,7 @@ import pytest
 import accelnb
 from accelnb.kernel.helper.template import running_helper_pid, shared_helper
 from accelnb.worker.template.standby_ranks import STANDBY_NAME
-from tests.conftest import is_standby
+from tests.conftest import is_standby, worker_processes
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -126,3 +126,13 @@ def test_waiting_children_end_with_the_template() -> None:
     _gone, alive = psutil.wait_procs(waiting, timeout=10)  # PR_SET_PDEATHSIG
     assert alive == []
     assert launch()[0]["rank"] == 0  # the next launch starts another template
+
+
+def test_a_session_started_from_waiting_children_shows_its_ranks_at_once() -> None:
+    shared_helper()
+    launch()
+    waiting = {p.pid for p in waiting_children(2)}
+    with accelnb.Session.start(num_processes=2, cpu=True, quiet=True):
+        # The template reports a pid only once its child took the rank's name: never a rank that
+        # looks like a waiting child to whoever looks right after the start.
+        assert {p.pid for p in worker_processes()} == waiting

@@ -264,6 +264,7 @@ def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int
                 _become_worker(spec, mine, leave_template=True)  # never returns
             workers.add(pid)
             pids.append(pid)
+        standby.settle()
         send(sock, ("spawned", request_id, pids))
     except Exception as error:
         for pid in pids:
@@ -272,6 +273,7 @@ def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int
             _kill(pid)
         send(sock, ("spawn_failed", request_id, f"{type(error).__name__}: {error}"))
     finally:
+        standby.settle()  # after a failure: only closes what is left
         for fd in fds:
             os.close(fd)
 

@@ -28,6 +28,7 @@ import os
 import pickle
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -41,6 +42,8 @@ MAX_FDS = 5  # a rank's RankFds: stdout, stderr, events, inbox, and maybe the st
 # template's name back.
 STANDBY_NAME = "accelnb-standby"
 PR_SET_NAME = 15
+RANK_NOW = b"r"  # a child to the template: renamed, a rank from now on
+SETTLE_LIMIT_S = 5.0  # a child takes a millisecond to say so; one stopped (SIGSTOP) is not waited for
 
 
 class StandbyRanks:
@@ -50,6 +53,7 @@ class StandbyRanks:
         self.wanted = 0
         self._close_in_child = tuple(close_in_child)  # the template's own fds, none of a rank's business
         self._waiting: dict[int, socket.socket] = {}  # pid -> the template's end of its socket
+        self._handed: list[socket.socket] = []  # handed a spec, not yet heard to be a rank
 
     @property
     def pids(self) -> set[int]:
@@ -84,6 +88,8 @@ class StandbyRanks:
                 handed = _wait_for_spec(theirs)
                 if handed is not None:
                     _set_name(template_name)
+                    theirs.send(RANK_NOW)  # the template reports our pid only once we look like a rank
+                theirs.close()
             except BaseException:
                 os._exit(1)
             if handed is None:  # let go by the template
@@ -101,12 +107,27 @@ class StandbyRanks:
             try:
                 socket.send_fds(ours, [pickle.dumps(spec)], fds.flat())
             except OSError:  # it died while waiting (an OOM kill): the next one, or a fork
+                ours.close()
                 _kill(pid)
                 continue
-            finally:
-                ours.close()
+            self._handed.append(ours)
             return pid
         return None
+
+    def settle(self) -> None:
+        """Wait until every child handed a spec has become a rank (taken the template's name back),
+        so that whoever learns its pid never finds it called a standby. One that dies instead ends
+        the wait for it: its death is that rank's exit, reported as any other."""
+        deadline = time.monotonic() + SETTLE_LIMIT_S
+        for ours in self._handed:
+            try:
+                ours.settimeout(max(0.0, deadline - time.monotonic()))
+                ours.recv(1)
+            except OSError:
+                pass
+            finally:
+                ours.close()
+        self._handed.clear()
 
     def let_go(self) -> None:
         """End every waiting child (the template changed since they were forked); the serve
@@ -123,14 +144,13 @@ class StandbyRanks:
             ours.close()
 
     def close_in_rank(self) -> None:
-        """In a rank forked at launch: the waiting children's sockets are not its to hold."""
-        for ours in self._waiting.values():
+        """In a rank forked at launch: the waiting and handed children's sockets are not its to hold."""
+        for ours in (*self._waiting.values(), *self._handed):
             ours.close()
 
 
 def _wait_for_spec(theirs: socket.socket) -> tuple[Any, RankFds] | None:
     data, fds, _, _ = socket.recv_fds(theirs, MAX_SPEC_BYTES, MAX_FDS)
-    theirs.close()
     if not data:
         for fd in fds:
             os.close(fd)
