@@ -169,10 +169,10 @@ class DistributedMagics(Magics):
         self.session: Session | None = None
         self._session_options: LaunchOptions | None = None  # kept for restart, even after a crash
         self._names_on_ranks: set[str] = set()  # assigned by earlier cells of the session
-        # What the last cell brought back: the line naming them is shown when it changes. A cell
-        # run again and again says nothing new, and one line costs a cell 2.5-4.5 ms of Jupyter's
-        # round trip (an IOPub message; benchmarks/bench_session_cell.py), a third of a plain cell.
-        self._last_brought_back: list[str] = []
+        # What the last cell brought back, and from which rank: the line is shown when it changes.
+        # A cell run again and again says nothing new, and each line is one more IOPub message in
+        # Jupyter's round trip (0.85 ms of a 12 ms cell: benchmarks/bench_session_cell.py).
+        self._last_brought_back = ""
 
     @line_cell_magic
     def distributed(self, line: str, cell: str | None = None) -> Any:
@@ -313,9 +313,10 @@ class DistributedMagics(Magics):
             except Exception as error:  # it pickled on the rank but cannot be rebuilt here
                 outcome.not_returned[name] = f"cannot be rebuilt in the notebook: {type(error).__name__}: {error}"
         notes = []
-        if arrived and arrived != self._last_brought_back:
-            notes.append(f"accelnb: brought back from rank {result.value_rank}: " + ", ".join(arrived))
-        self._last_brought_back = arrived
+        brought_back = f"accelnb: brought back from rank {result.value_rank}: " + ", ".join(arrived)
+        if arrived and brought_back != self._last_brought_back:
+            notes.append(brought_back)
+        self._last_brought_back = brought_back if arrived else ""
         for name, why in outcome.not_returned.items():
             notes.append(f"accelnb: not brought back: {name} ({why})")
         notes += _kept_for_size_notes(outcome.kept_for_size, returns.limit, in_session)
@@ -353,7 +354,7 @@ class DistributedMagics(Magics):
         self.session = session
         self._session_options = session.options
         self._names_on_ranks = set()
-        self._last_brought_back = []
+        self._last_brought_back = ""
 
     def _bare_command(self, command: str) -> Any:
         if command == "stop":
@@ -375,7 +376,7 @@ class DistributedMagics(Magics):
             self.session.stop()
         self.session = None
         self._names_on_ranks = set()
-        self._last_brought_back = []
+        self._last_brought_back = ""
 
 
 # `%distributed?` shows both grammars, generated like the parsers themselves.
