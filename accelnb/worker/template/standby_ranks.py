@@ -15,9 +15,13 @@ never lacks a module its template has; and when the template becomes unfit to fo
 forked. A child that died while waiting is found when its spec cannot be sent, and the rank is
 forked instead. They are the template's children, so whatever ends the template ends them.
 
-    >>> standby = StandbyRanks(close_in_child=(sock.fileno(), wake_r, wake_w))   # doctest: +SKIP
-    >>> standby.wanted = 2; standby.fork_one(become_rank)   # while idle            # doctest: +SKIP
-    >>> pid = standby.hand_over(spec, fds)                   # None: none waits      # doctest: +SKIP
+The template reports a handed child's pid only once the child has said it is a rank (it has
+taken the template's name back): whoever learns the pid never finds it named like a waiting child.
+
+    >>> standby = StandbyRanks(close_in_child=(sock.fileno(), wake_r, wake_w))        # doctest: +SKIP
+    >>> standby.wanted = 2; standby.fork_one(become_rank, leave_template)   # while idle  # doctest: +SKIP
+    >>> pid = standby.hand_over(spec, fds)      # None: none waits, fork this rank      # doctest: +SKIP
+    >>> standby.settle()                        # then report the pids                  # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -38,8 +42,8 @@ MAX_STANDBY = 16  # a launch of more ranks forks the rest; a waiting child holds
 MAX_SPEC_BYTES = 1 << 20
 MAX_FDS = 5  # a rank's RankFds: stdout, stderr, events, inbox, and maybe the store
 # What ps, top and psutil call a waiting child (the kernel's ``comm``, 15 bytes at most): someone
-# who finds idle processes under their kernel sees what they are, not a leak. A rank takes the
-# template's name back.
+# who finds idle processes under their kernel sees what they are, not a leak. The template carries
+# it while it forks one, so the child is born with it; a rank takes the template's name back.
 STANDBY_NAME = "accelnb-standby"
 PR_SET_NAME = 15
 RANK_NOW = b"r"  # a child to the template: renamed, a rank from now on
