@@ -7,13 +7,14 @@ clean but pays every import again on every launch. The template is a fresh inter
 ``kernel/helper/client.py`` (never a fork of the kernel), that
 
 1. imports torch and what every rank needs to start (:data:`DEFAULT_PREIMPORTS`);
-2. installs accelnb's rank-side hooks (``worker/template_imports.install_rank_hooks``), so that any
+2. installs accelnb's rank-side hooks (``worker/template/imports.install_rank_hooks``), so that any
    module imported after them binds accelnb's ``init_process_group`` and ``mp.spawn``;
 3. says "ready", then imports what the kernel has imported, as the kernel asks
    (``FollowImports``, ``wire/template.py``): after each cell in the background while no rank of
    it runs, and before each launch, which waits for them;
 4. forks one rank per spec on request: milliseconds, with everything imported, and nothing of the
-   kernel's. It never initialises CUDA nor starts a thread; an import that does makes it
+   kernel's; or hands the spec to a child it forked while idle (``standby_ranks.py``), which
+   waits for one. It never initialises CUDA nor starts a thread; an import that does makes it
    refuse to fork (``unsafe``), and the kernel starts another without that module. Its objects
    are frozen for the garbage collector first (``gc.freeze``): a rank's collections walk only
    what the rank made.
@@ -40,9 +41,9 @@ enough. Both the helper and every worker are *child subreapers* (``PR_SET_CHILD_
 process orphaned while its rank lives is re-parented to the rank, not to init, so everything a
 rank started stays in its process tree; when the rank dies, what is left of that tree is
 re-parented to the helper, before the helper is told of the death. So when the helper reaps a
-worker, every other child it has is something a dead rank left behind: it SIGKILLs those and
-their descendants, reaps them, and only then reports the worker's exit. Orphans are reaped
-silently; only the workers' exits are reported.
+worker, every other child it has (but the children waiting for a spec) is something a dead rank
+left behind: it SIGKILLs those and their descendants, reaps them, and only then reports the
+worker's exit. Orphans are reaped silently; only the workers' exits are reported.
 
 A worker, being a subreaper, also inherits zombies: a process orphaned inside the rank (the
 daemon of a double fork) that exits while the rank runs stays a zombie until the rank ends,
@@ -87,8 +88,6 @@ START_FAILED_EXIT_CODE = 70  # EX_SOFTWARE: the worker failed before running any
 # Imported before "ready": what every worker needs to start and join its group.
 DEFAULT_PREIMPORTS = ("torch", "torch.distributed", "torch.nn", "torch.optim", "torch.utils.data",
                       "accelnb.worker.main")
-
-
 # Fork the next launch's ranks while this launch's run only where a core is left for it: on a
 # 2-core machine a 10-15 ms fork beside 2 ranks joining their group slows this launch by as much.
 CORES_HERE = len(os.sched_getaffinity(0))
