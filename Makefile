@@ -49,6 +49,7 @@ bench: setup
 	$(PY) benchmarks/bench_torchrun.py --write  # %torchrun vs !torchrun in real kernels: first output, whole cell, Stop
 	$(PY) benchmarks/bench_stop.py --write  # what stop_requested() costs a step, and how soon a Stop is answered
 	$(PY) benchmarks/bench_features.py --write  # what each piece of the rank body costs a launch, a call, a step
+	$(PY) benchmarks/bench_step_cost.py --write  # a rank's own work per training step, and the same loop against torchrun
 	$(PY) benchmarks/bench_sweep.py --write  # accelnb.sweep: four configs on two slots, against a loop of launches and subprocesses
 	$(PY) -m pip install -q "ray[train]>=2.40"  # benchmark-only peer of cluster="ray": Ray Train's TorchTrainer
 	$(PY) benchmarks/bench_ray.py  # needs root for network namespaces; says why when it skips

@@ -175,7 +175,10 @@ def _check_point(checks: _Checks) -> bool:
 
     announce_checking()
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        checks.agreed = heard()  # one rank agrees with itself
+        # One rank agrees with itself, at check points paced as a group's: every call here cost a
+        # 1-rank loop 3-18 µs a step (benchmarks/bench_step_cost.py), a counter increment elsewhere.
+        checks.agreed = heard()
+        checks.next_check = checks.calls + _pace(checks)
         return checks.agreed
     group = _agreement_group(dist)
     calls_between = 1
@@ -187,16 +190,22 @@ def _check_point(checks: _Checks) -> bool:
             checks.pending = None
             checks.agreed = True
             return True
+    tensor = torch.tensor([int(heard()), _pace(checks)], dtype=torch.int64)
+    checks.pending = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True), tensor)
+    checks.next_check = checks.calls + calls_between
+    return False
+
+
+def _pace(checks: _Checks) -> int:
+    """This rank's proposal for the calls until the next check point: about
+    :data:`CHECK_INTERVAL_S` at the pace since the last one (1 at the first)."""
     now = time.perf_counter()
     proposal = 1
     if checks.last_check is not None:
         seconds_per_call = (now - checks.last_check[1]) / max(1, checks.calls - checks.last_check[0])
         proposal = _calls_for(seconds_per_call)
     checks.last_check = (checks.calls, now)
-    tensor = torch.tensor([int(heard()), proposal], dtype=torch.int64)
-    checks.pending = (dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=True), tensor)
-    checks.next_check = checks.calls + calls_between
-    return False
+    return proposal
 
 
 def _calls_for(seconds_per_call: float) -> int:
