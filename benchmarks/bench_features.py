@@ -30,15 +30,13 @@ script's section of ``benchmarks/RESULTS.md``.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
 import sys
 import time
 
 import torch
-from results_file import replace_section  # benchmarks/ is on sys.path as the script's folder
+from results_file import replace_section, run_header  # benchmarks/ is on sys.path as the script's folder
 
 import accelnb
 from accelnb.worker.rank_body import PIECES, PIECES_OFF_ENV
@@ -126,16 +124,9 @@ def main() -> None:
     spread = ", ".join(f"{label} {min(run[key] for run in on):{fmt}}–{max(run[key] for run in on):{fmt}}"
                        for label, key, fmt in (("launch", "launch_ms", ".1f"), ("session call", "call_ms", ".2f"),
                                                ("step", "step_us", ".0f")))
-    load_after = os.getloadavg()
     text = "\n".join([
-        HEADING, "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- machine: {os.cpu_count()} CPUs, {platform.system()} {platform.release()}, 2 CPU ranks (gloo), "
-        "from a script",
-        f"- versions: python {platform.python_version()}, torch {torch.__version__}",
-        f"- load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in load_before)}, at end "
-        f"{'/'.join(f'{x:.1f}' for x in load_after)}; whole run {time.monotonic() - began:.0f} s; "
-        f"{options.rounds} rounds, medians",
+        *run_header(HEADING, "2 CPU ranks (gloo), from a script", load_before, time.monotonic() - began,
+                    f"python benchmarks/bench_features.py --rounds {options.rounds}; medians"),
         "",
         "Each piece of the rank body turned off alone (`ACCELNB_BENCH_PIECES_OFF`), then all five; \"vs on\" is the "
         "difference from everything on (negative: what the piece costs). launch: a one-shot 2-rank launch of a "

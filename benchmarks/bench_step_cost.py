@@ -33,9 +33,7 @@ A benchmark, not a test: nothing is asserted. ``--write`` replaces this script's
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -44,7 +42,7 @@ import time
 from typing import Any
 
 import torch
-from results_file import replace_section  # benchmarks/ is on sys.path as the script's folder
+from results_file import replace_section, run_header  # benchmarks/ is on sys.path as the script's folder
 
 import accelnb
 from accelnb.worker.rank_body import PIECES_OFF_ENV
@@ -228,16 +226,9 @@ def main() -> None:
     pair_ratios = [t["step_us"] / a["step_us"] for t, a in zip(torchrun_runs, accelnb_runs, strict=True)]
     per_run = ", ".join(f"{t['step_us']:.0f} / {a['step_us']:.0f}"
                         for t, a in zip(torchrun_runs, accelnb_runs, strict=True))
-    load_after = os.getloadavg()
     text = "\n".join([
-        HEADING, "",
-        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
-        f"- machine: {os.cpu_count()} CPUs, {platform.system()} {platform.release()}; "
-        "1 CPU rank (gloo, DDP, a world of 1)",
-        f"- versions: python {platform.python_version()}, torch {torch.__version__}",
-        f"- load average (1/5/15 min) at start {'/'.join(f'{x:.1f}' for x in load_before)}, at end "
-        f"{'/'.join(f'{x:.1f}' for x in load_after)}; whole run {time.monotonic() - began:.0f} s "
-        "(`python benchmarks/bench_step_cost.py`)",
+        *run_header(HEADING, "1 CPU rank (gloo, DDP, a world of 1)", load_before, time.monotonic() - began,
+                    "python benchmarks/bench_step_cost.py"),
         "",
         f"A DDP loop (Linear(64,256)-ReLU-Linear(256,10), batch 64, SGD, one thread) whose every step calls "
         f"`optimizer.step()`, `accelnb.stop_requested()`, `accelnb.report(loss=...)`, a tqdm bar's `update(1)` and "

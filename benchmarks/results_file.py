@@ -30,3 +30,25 @@ def replace_section(heading: str, text: str, path: str = RESULTS_PATH) -> None:
     kept.insert(where, text.rstrip("\n") + "\n")
     with open(path, "w") as f:
         f.write("\n".join(kept))
+
+
+def run_header(heading: str, setting: str, load_before: tuple[float, float, float], seconds: float,
+               command: str) -> list[str]:
+    """A section's first lines: the heading, then when, where (``setting``: the ranks, say), which
+    torch, the machine's load at the start and now, and how long the run took."""
+    import datetime
+    import platform
+
+    import torch
+
+    def load(values: tuple[float, ...]) -> str:
+        return "/".join(f"{x:.1f}" for x in values)
+
+    return [
+        heading, "",
+        f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+        f"- machine: {os.cpu_count()} CPUs, {platform.system()} {platform.release()}; {setting}",
+        f"- versions: python {platform.python_version()}, torch {torch.__version__}",
+        f"- load average (1/5/15 min) at start {load(load_before)}, at end {load(os.getloadavg())}; "
+        f"whole run {seconds:.0f} s (`{command}`)",
+    ]
