@@ -212,12 +212,14 @@ def table(rows: dict[tuple[int, int], dict[str, dict[str, Any]]],
         back, back_empty = median(cases["accelnb-out"].get("times")), median(cases["accelnb-out"].get("empty"))
         peak = max(cases[c].get("peak_mib", 0.0) for c in ("accelnb-in", "accelnb-in-memfd", "accelnb-out"))
         after = cases["accelnb-out"].get("after_mib")
+        if memcpy is None or accel is None or ship is None or memfd is None or back is None or after is None:
+            lines.append(f"| {size} | {ranks} | failed: {json.dumps({c: v.get('error') for c, v in cases.items()})} |")
+            continue
         lines.append(
             f"| {size} | {ranks} | {ms(memcpy)} | {ms(accel)} | {ms(ship)} ({ms(ship_empty)}) "
             f"| {ship / accel:.2f} | {ms(memfd)} | {memfd / accel:.2f} "
             f"| {ms(back)} ({ms(back_empty)}) | {back / memcpy:.2f} | {peak:,.0f} "
-            f"| {after / size:.2f} |" if None not in (memcpy, accel, ship, memfd, back, after) else
-            f"| {size} | {ranks} | failed: {json.dumps({c: v.get('error') for c, v in cases.items()})} |")
+            f"| {after / size:.2f} |")
     if before:
         lines += ["", "Before (main, same script, same machine):", "",
                   "| MiB | ranks | accelnb in | accelnb out | kernel peak RSS MiB |", "| --: | --: | --: | --: | --: |"]

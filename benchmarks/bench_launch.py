@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
 import os
@@ -340,9 +341,9 @@ def bench_accelnb(opts: argparse.Namespace) -> dict[str, Any]:
             for mode in ("devnull", "stdout"):
                 sink = CountingSink()
                 with contextlib.redirect_stdout(sink):  # type: ignore[type-var]
-                    seconds, result = timed(lambda m=mode: accelnb.launch(
-                        print_lines, (opts.print_lines, m == "devnull"), num_processes=WORLD_SIZE,
-                        quiet=True, collect="rank0"))
+                    seconds, result = timed(functools.partial(
+                        accelnb.launch, print_lines, (opts.print_lines, mode == "devnull"),
+                        num_processes=WORLD_SIZE, quiet=True, collect="rank0"))
                 runs[mode].append(result.value)
                 if mode == "stdout":
                     delivered.append(sink.lines)

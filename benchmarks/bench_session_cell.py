@@ -32,7 +32,6 @@ import itertools
 import os
 import platform
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -210,4 +209,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

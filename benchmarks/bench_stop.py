@@ -100,6 +100,7 @@ def stop_latency(loop: str, press_at: int) -> tuple[float, int]:
     """Press a panel's Stop once rank 0 reported ``press_at``; (seconds to the launch's end, steps taken after)."""
     from accelnb import launch
     from accelnb.kernel.run import run_state
+    from accelnb.kernel.run.group.stop_presses import PANEL_STOP
 
     reached = threading.Event()
     pressed_at: list[float] = []
@@ -111,7 +112,7 @@ def stop_latency(loop: str, press_at: int) -> tuple[float, int]:
     def press() -> None:
         reached.wait(120)
         pressed_at.append(time.perf_counter())
-        run_state.request_stop()
+        run_state.request_stop(PANEL_STOP)
 
     threading.Thread(target=press, daemon=True).start()
     result = launch(train_until_stopped, (loop,), num_processes=2, cpu=True, quiet=True, output="none",
