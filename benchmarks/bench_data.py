@@ -273,8 +273,10 @@ def main() -> None:
             f"{os.cpu_count()} CPUs\n\n`python benchmarks/bench_data.py`: times in ms "
             f"(medians of {opts.repeats}), float32 CPU tensors, gloo. Targets: in ≤ 1.5× "
             "Accelerate, out ≤ 3× memcpy, RSS after out ≤ 1.1× the data. \"accelnb in\" is what a "
-            "launch does (it inherits a big payload by fork where that is cheaper and safe); \"memfd "
-            "only\" is the way of a session's calls and of a kernel that initialised CUDA. Fresh memory "
+            "launch does: since issue 33 every launch writes a big payload once into a memfd that its ranks "
+            "map (no rank is a fork of the kernel any more); \"memfd only\" forces that way, so the two "
+            "columns measure the same path twice. Accelerate's ranks are forks of the launching process and "
+            "inherit the payload without a copy. Fresh memory "
             "costs up to 10× more at random on these VMs (see the script's docstring), so the "
             "1 GiB memcpy, memfd and bring-back figures vary from run to run.\n\n"
             + text + "\n")
