@@ -110,7 +110,6 @@ if __name__ == "__main__":
 
 def in_rank(steps: int, warmup: int) -> dict[str, Any]:
     """Run in an accelnb rank: the loop, the clock's own cost, and the step-timing pieces apart."""
-    import torch.distributed as dist
     from torch import nn
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -152,7 +151,6 @@ def in_rank(steps: int, warmup: int) -> dict[str, Any]:
                                 for kind in ("optimizer.step()", "DDP forward")}
     result["tight_us"] = {f"{kind} {'with' if on else 'without'}": statistics.median(v)
                           for (kind, on), v in times.items()}
-    dist.barrier()
     return result
 
 
