@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from accelnb.kernel.helper.client import HELPER_MODULE
-from accelnb.kernel.helper.template import running_helper_pid
+from accelnb.kernel.helper.template import departed_crashes, running_helper_pid, wait_for_departed_ranks
 from accelnb.worker.template.standby_ranks import STANDBY_NAME
 
 if TYPE_CHECKING:
@@ -94,7 +94,10 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) ->
 
 
 def worker_processes() -> list[psutil.Process]:
-    """Every live process below this process's helper (the workers and their children)."""
+    """Every live process below this process's helper (the workers and their children), once the
+    helper reaped the ranks that departed (a launch need not wait for the OS to free them)."""
+    assert wait_for_departed_ranks(), "a departed rank was not reaped within 10 s"
+    assert departed_crashes() == {}, f"departed ranks did not exit 0 (pid: code): {departed_crashes()}"
     helper_pid = running_helper_pid()
     return [] if helper_pid is None else live_descendants(helper_pid)
 

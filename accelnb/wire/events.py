@@ -3,7 +3,7 @@
 Kernel → worker (the worker's inbox socket): :class:`RunCall`, :class:`Shutdown`,
 :class:`InputReply`, :class:`StopRequest`.
 Worker → kernel (the worker's events socket): :class:`Joined`, :class:`CallResult`,
-:class:`CallError`, :class:`MetricBatch` (and its subclass :class:`ProgressBatch`),
+:class:`CallError`, :class:`Departing`, :class:`MetricBatch` (and its subclass :class:`ProgressBatch`),
 :class:`InputRequest` (a rank's ``input()`` or debugger prompt, answered through the kernel's own
 ``input()``: Jupyter's input box, or the terminal), :class:`StepWindow`, :class:`ChecksForStop`.
 Output does not travel as events: it is the worker's real stdout/stderr file descriptors. A rank
@@ -40,6 +40,15 @@ class Shutdown:
     The worker exits with ``os._exit`` without tearing down the process group: the OS closes its
     sockets. What the rank started is ended by accelnb's helper process once the worker is gone.
     """
+
+
+@dataclass(frozen=True)
+class Departing:
+    """The worker leaves nothing behind: no process it started is left, it never used CUDA, and it
+    has closed its output and events. It exits now; the OS frees a torch-sized process in about
+    20 ms, which a launch need not wait for (``kernel/run/supervisor.py`` says when it does)."""
+
+    rank: int
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,10 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
    which the Ray actor (``worker/ray_rank.py``) shares: this module keeps what is a local rank's
    own (its inbox reader, its SIGTERM that flushes first);
 4. leaves on the kernel's Shutdown (sent once every rank answered), with ``os._exit``: the OS
-   closes the group's sockets. End of file on the inbox means the kernel is gone: exit now.
+   closes the group's sockets. A rank that leaves nothing behind (no process it started is left,
+   no CUDA context) says so first and closes its channels (:func:`_depart`), so that a launch can
+   end without waiting the ~20 ms the OS takes to free a torch-sized process. End of file on the
+   inbox means the kernel is gone (unless we are departing): exit now.
 """
 
 from __future__ import annotations
@@ -39,9 +42,11 @@ from types import FrameType
 from typing import Any
 
 from accelnb.wire import channel
-from accelnb.wire.events import InputReply, Joined, RunCall, Shutdown, StopRequest
+from accelnb.wire.events import Departing, InputReply, Joined, RunCall, Shutdown, StopRequest
 from accelnb.wire.spec import WorkerSpec
 from accelnb.worker import rank_input, report
+from accelnb.worker.other_launchers import process_group
+from accelnb.worker.process_children import own_children
 from accelnb.worker.rank_body import (
     attach_to_kernel,
     chdir_quietly,
@@ -74,8 +79,11 @@ def report_setup_failure(rank: int, events_fd: int, error: BaseException) -> Non
 
 def _serve(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, store_fd: int | None) -> int:
     commands: queue.Queue[Any] = queue.Queue()
+    # Set once this rank said it departs: the kernel closing our inbox from then on is expected,
+    # not the kernel's death (which ends the rank's whole process group).
+    departing = threading.Event()
     try:
-        terminating, flusher = _set_up(spec, inbox_fd, events, store_fd, commands)
+        terminating, flusher = _set_up(spec, inbox_fd, events, store_fd, commands, departing)
     except BaseException as error:  # the kernel shows the cause, not a bare exit code
         flush_streams_and_metrics()
         events.send(describe_error(spec.rank, None, error))
@@ -108,11 +116,13 @@ def _serve(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, store
     # sockets and frees device memory just the same. gloo's destroy alone spends ~20 ms waiting,
     # a third of a one-shot launch.
     _finish(flusher)
+    if isinstance(command, Shutdown) and exit_code == 0:
+        _depart(spec.rank, events, departing)
     return exit_code
 
 
 def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, store_fd: int | None,
-            commands: queue.Queue[Any]) -> tuple[threading.Event, threading.Event]:
+            commands: queue.Queue[Any], departing: threading.Event) -> tuple[threading.Event, threading.Event]:
     """Everything before the first call; returns (SIGTERM came, the flusher's stop)."""
     terminating = _flush_before_dying_of_sigterm(wake=lambda: commands.put(None))
     if spec.kernel_env is not None:  # the notebook's variables as they are now, not as the helper found them
@@ -126,7 +136,7 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)
     attach_to_kernel(events, spec.rank, spec.restart_count)
-    _start_inbox_reader(inbox_fd, commands)
+    _start_inbox_reader(inbox_fd, commands, departing)
     flusher = start_flusher()
     join_the_run(spec, store_fd)
     return terminating, flusher
@@ -235,8 +245,9 @@ def _die_of_sigterm() -> None:
     signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
 
 
-def _start_inbox_reader(inbox_fd: int, commands: queue.Queue[Any]) -> None:
-    """Commands arrive on a thread, so that end of file (the kernel died) ends us at once."""
+def _start_inbox_reader(inbox_fd: int, commands: queue.Queue[Any], departing: threading.Event) -> None:
+    """Commands arrive on a thread, so that end of file (the kernel died) ends us at once, unless
+    we are ``departing``."""
     inbox = channel.MessageReceiver(socket.socket(fileno=inbox_fd))
 
     def read_forever() -> None:
@@ -246,6 +257,8 @@ def _start_inbox_reader(inbox_fd: int, commands: queue.Queue[Any]) -> None:
             except OSError:
                 message = None
             if message is None:
+                if departing.is_set():
+                    return  # the kernel let us go before we exited
                 # The kernel closes our inbox only after we exited, so end of file here means
                 # the kernel died: nobody will read our result. End our whole process group.
                 os.killpg(0, signal.SIGKILL)
@@ -262,3 +275,35 @@ def _start_inbox_reader(inbox_fd: int, commands: queue.Queue[Any]) -> None:
 def _finish(flusher: threading.Event) -> None:
     flusher.set()
     flush_streams_and_metrics()
+
+
+def _depart(rank: int, events: channel.MessageWriter, departing: threading.Event) -> None:
+    """Tell the kernel that this rank leaves nothing behind, then close its channels, if so.
+
+    Nothing is left when no child of ours runs (we are a subreaper: whatever the rank started, and
+    whatever those started, would be our child now), CUDA was never initialised (device memory
+    is freed only when the process is gone, and the cell must not end before), and rank 0 could
+    stop listening on the store's port (a user may choose that port for the next launch). gloo's
+    own listener, on a port the OS picked, goes as the process ends: shutting it down aborts gloo.
+    Output goes to /dev/null from here: a line printed now would be lost anyway.
+    """
+    if own_children() != set() or _used_cuda() or not process_group.release_store_port():
+        return  # a process of ours is left, GPU memory, or the port: the kernel waits until the helper reaps us
+    departing.set()
+    try:
+        events.send(Departing(rank))
+    except OSError:
+        return  # the kernel is gone
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    for fd in (1, 2):
+        os.dup2(devnull, fd)  # end of file on the kernel's side of both pipes
+    os.close(devnull)
+    try:
+        events.sock.shutdown(socket.SHUT_RDWR)  # and on the events socket, whatever thread holds it
+    except OSError:
+        pass
+
+
+def _used_cuda() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())

@@ -33,6 +33,7 @@ from typing import Any
 
 import psutil
 
+from accelnb.kernel.helper.template import wait_for_departed_ranks
 from tests.conftest import is_standby
 
 FAULTS = ("exception", "sys_exit", "os_exit", "sigkill", "segfault", "hang_python",
@@ -136,8 +137,10 @@ def ok_target() -> float:
 
 # ── kernel side ─────────────────────────────────────────────────────────────────────────────
 def descendants(pid: int) -> list[psutil.Process]:
-    """What runs below ``pid``, but a template's children waiting for a rank to become: they are
+    """What runs below ``pid``, once the ranks that departed were reaped (a launch need not wait
+    for the OS to free them), but a template's children waiting for a rank to become: they are
     the template's own, and end with it (``worker/template/standby_ranks.py``)."""
+    assert wait_for_departed_ranks(), "a departed rank was not reaped within 10 s"
     with contextlib.suppress(psutil.Error):
         return [p for p in psutil.Process(pid).children(recursive=True) if not is_standby(p)]
     return []

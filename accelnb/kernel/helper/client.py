@@ -113,6 +113,10 @@ class WorkerHelper:
         self._exits: dict[int, WorkerExit] = {}
         self._abandoned_requests: set[int] = set()
         self._disowned_pids: set[int] = set()  # forked for a request nobody waits for any more
+        self._departed: set[int] = set()  # said they leave nothing behind; not reported reaped yet
+        # Departed workers whose exit was not 0 (pid: code): nobody waited for it, so a rank that
+        # crashed on its way out (a library's thread aborting) is known here, and tests look.
+        self.departed_crashes: dict[int, int] = {}
         self.lost = False  # its end of the socket closed: it died
         self.pid = self._process.pid
         # One exchange on the socket at a time: the launches of a sweep share the helper.
@@ -302,6 +306,20 @@ class WorkerHelper:
                 if self._exits.pop(pid, None) is None:  # not reported yet: drop the report when it comes
                     self._disowned_pids.add(pid)
 
+    def depart(self, pids: Iterable[int]) -> None:
+        """These workers said they leave nothing behind and are exiting: their group ends without
+        waiting for their exits, which are dropped when reported (:meth:`wait_for_departed`)."""
+        pids = set(pids)
+        with self._lock:
+            self.forget(pids)
+            self._departed.update(pids & self._disowned_pids)
+
+    def wait_for_departed(self, deadline: float) -> bool:
+        """Wait (until ``deadline``) until every departed worker is reported reaped; True if so."""
+        while self._departed and not self.lost and not self._closed and time.monotonic() < deadline:
+            self._receive(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+        return not self._departed or self.lost or self._closed  # a closed template ended its children first
+
     def wait_for_exits(self, pids: Iterable[int], deadline: float) -> None:
         """SIGKILL these workers' process groups and wait (until ``deadline``) for their exits."""
         waiting = set(pids)
@@ -335,13 +353,18 @@ class WorkerHelper:
 
     @property
     def has_workers(self) -> bool:
-        """Whether a worker it forked may still run (exits are read by :meth:`collect`)."""
-        return bool(self._live_pids)
+        """Whether a worker it forked may still run (exits are read by :meth:`collect`); a
+        departed one does not count: it is exiting, and closing the template ends it at once."""
+        return bool(self._live_pids - self._departed)
 
     def _note(self, message: Any) -> None:
         if message[0] == "exited":
             pid, code, reaped_at = message[1], message[2], message[3]
             self._live_pids.discard(pid)
+            if pid in self._departed:
+                self._departed.discard(pid)
+                if code != 0:
+                    self.departed_crashes[pid] = code
             if pid in self._disowned_pids:
                 self._disowned_pids.discard(pid)
             else:

@@ -35,6 +35,7 @@ import atexit
 import os
 import sys
 import threading
+import time
 
 from accelnb.errors import HelperDied, WorkerStartError
 from accelnb.kernel.helper.client import FOLLOW_TIMEOUT_S, StepHook, TemplateUnsafe, WorkerHelper
@@ -55,6 +56,7 @@ _unsafe_modules: set[str] = set()  # packages whose import made a template unfit
 _lock = threading.Lock()
 _exit_hook_registered = False
 MAX_UNSAFE_TEMPLATES = 8  # each try leaves out one more package; a loop past this is a bug of ours
+DEPARTED_WAIT_S = 10.0  # how long the OS may take to free departed ranks (~20 ms each, here)
 
 
 def shared_helper(wait: bool = True, on_step: StepHook | None = None) -> WorkerHelper:
@@ -141,6 +143,26 @@ def running_helper_pid() -> int | None:
     """The pid of this process's template while one runs, else None (nothing is started)."""
     helper = _current
     return helper.pid if helper is not None and helper.alive else None
+
+
+def wait_for_departed_ranks(timeout: float = DEPARTED_WAIT_S) -> bool:
+    """Wait until this process's templates have reaped every rank that departed: a launch ends as
+    soon as its ranks said they leave nothing behind, while the OS still frees their processes
+    (``kernel/run/supervisor.py``). True once none is left, False after ``timeout`` s. For whoever
+    must see no process of a finished launch at all: tests, and tools that count processes."""
+    deadline = time.monotonic() + timeout
+    return all([helper.wait_for_departed(deadline) for helper in _templates()])
+
+
+def departed_crashes() -> dict[int, int]:
+    """Departed ranks that did not exit 0, pid: exit code (negative: the signal). Always empty
+    unless something in a rank's last moments is broken: nobody waited for those exits."""
+    return {pid: code for helper in _templates() for pid, code in helper.departed_crashes.items()}
+
+
+def _templates() -> list[WorkerHelper]:
+    with _lock:
+        return [helper for helper in (_current, *_retired) if helper is not None]
 
 
 def shutdown_helper() -> None:

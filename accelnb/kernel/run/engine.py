@@ -147,7 +147,8 @@ def start_workers(the_plan: rank_plan.LaunchPlan, master_port: int | None, *, pe
         helper = helpers(on_step=on_step)
         _step(on_step, "helper-ready")
         router = OutputRouter(live_ranks={0}, prefix=False, sink=notebook_sink)
-        group = WorkerGroup(the_plan, helper, router, persistent=persistent, on_step=on_step)
+        group = WorkerGroup(the_plan, helper, router, persistent=persistent, on_step=on_step,
+                            await_exits=persistent)
         group.start(worker_specs(the_plan, persistent, restart_count, threads=threads), store_socket)
         if not quiet:
             show_start(the_plan, [w.pid for w in group.workers])

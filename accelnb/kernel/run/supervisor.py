@@ -24,7 +24,12 @@ the piece it concerns, and what a stop means for local processes (the graces bel
 nothing for what happens to the ranks; :mod:`accelnb.kernel.run.engine` decides what the user sees.
 Endings, all of which leave no process and no bound port behind:
 
-- every rank answered: the call's values come back;
+- every rank answered: the call's values come back, and a one-shot launch's ranks are told to
+  leave. A rank that leaves nothing behind (``Departing``: no process it started is left, no CUDA
+  context, its channels closed) counts as gone once its channels reach end of file: the launch
+  does not wait the ~20 ms the OS takes to free a torch-sized process, nearly half of a short
+  launch; the helper still reaps it. Rank 0 departs only once it stopped listening on the store's
+  port. A session's stop waits for every exit (``await_exits``): it is no fast path;
 - a rank raised or died: all others get SIGTERM, then SIGKILL after one shared grace deadline;
 - ``timeout=`` expired: SIGUSR1 makes faulthandler print every rank's stack, then the same stop;
 - the user interrupted (Ctrl-C, a panel's Stop): the same stop, faster (a persistent session
@@ -70,7 +75,7 @@ from accelnb.kernel.run.group.rank_processes import RankProcess, RankProcesses
 from accelnb.kernel.run.group.stall_report import stall_report
 from accelnb.kernel.run.group.stop_presses import announce_request
 from accelnb.wire.buffers import Packed
-from accelnb.wire.events import InputReply, InputRequest, Joined
+from accelnb.wire.events import Departing, InputReply, InputRequest, Joined
 from accelnb.wire.spec import WorkerSpec
 
 FAILURE_GRACE_S = 3.0  # between SIGTERM and SIGKILL when a rank failed, or the call timed out
@@ -92,9 +97,11 @@ class WorkerGroup:
 
     def __init__(self, plan: LaunchPlan, helper: WorkerHelper, output: OutputRouter,
                  metric_sink: MetricSink | None = None, persistent: bool = False,
-                 on_step: StepHook | None = None) -> None:
+                 on_step: StepHook | None = None, await_exits: bool = True) -> None:
         self.plan = plan
         self.persistent = persistent
+        self.await_exits = await_exits  # False: a rank that departs counts as gone (see the module docstring)
+        self._departing: set[int] = set()  # said they depart; gone once their channels are at end of file
         self.helper = helper
         self.output = output
         self.metric_sink = metric_sink
@@ -246,6 +253,8 @@ class WorkerGroup:
     # ── the pump: what the channels bring, to the piece it concerns ─────────────────────────
     def _pump(self, timeout: float, answers: CallAnswers) -> None:
         self._channels.pump(timeout, lambda rank, event: self._on_event(rank, event, answers))
+        if self._departing:
+            self._let_departed_go()
         if self.helper.lost and self._helper_death is None:  # seen here, or by another group's pump
             self._bury_workers_of_dead_helper(answers)
         for process in self.workers:
@@ -262,6 +271,8 @@ class WorkerGroup:
     def _on_event(self, rank: int, event: Any, answers: CallAnswers) -> None:
         if isinstance(event, Joined):
             self._joined.add(rank)
+        elif isinstance(event, Departing) and not self.await_exits:
+            self._departing.add(rank)
         process = self._processes.get(rank)
         pid = process.pid if process is not None else 0
         if not record_event(answers, rank, pid, event, self._phases, self.output, self.metric_sink,
@@ -279,6 +290,16 @@ class WorkerGroup:
                                    joined=rank in self._joined)
             answers.failures.append(failure)
             self._phases.set(rank, "failed", failure.summary if ended.code != 0 else "exited early")
+
+    def _let_departed_go(self) -> None:
+        """A departing rank whose channels all reached end of file has said and written everything:
+        it is done, and its exit is the helper's to reap."""
+        for rank in [rank for rank in self._departing if self._channels.all_closed(rank)]:
+            self._departing.discard(rank)
+            process = self._processes.get(rank)
+            if process is not None and process.alive:
+                self._processes.note_departure(rank)
+                self.helper.depart([process.pid])
 
     def _bury_workers_of_dead_helper(self, answers: CallAnswers) -> None:
         self._helper_death = self.helper.death()

@@ -48,6 +48,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -72,6 +73,7 @@ class _Launched:
 
     spec: WorkerSpec
     store: Any  # the launch's TCPStore (rank 0 holds its listening socket)
+    store_fd: int | None  # that listening socket, on rank 0
     device_id: Any  # torch.device for an NCCL rank on a GPU, else None
     original_init: Callable[..., None]
     generation: int = 0  # groups made so far on this store: each gets its own key prefix
@@ -105,9 +107,38 @@ def join_default_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist:
     original = dist.init_process_group
     if getattr(original, _ACCELNBS, False):  # the template routed it through accelnb: torch's is below
         original = original.__wrapped__
-    _launched = _Launched(spec, store, device_id if spec.backend == "nccl" else None, original)
+    _launched = _Launched(spec, store, store_fd, device_id if spec.backend == "nccl" else None, original)
     _make_accelnb_group(dist)
     route_through_accelnb(dist)  # the template did already; a no-op then
+
+
+def release_store_port() -> bool:
+    """Stop listening on the launch's store port, as a rank that leaves does; True when no
+    listening socket of the store is left in this process (ranks other than 0 hold none).
+
+    Once every rank has answered and been told to leave, nobody connects to the store again, so
+    rank 0 can free its port before it exits: a user who reruns the cell with that port as
+    ``master_port`` finds it free at once, not in the ~20 ms the OS takes to end the process.
+    Only torch's libuv store (the default since torch 2.4) lives through its listener being shut
+    down; the older one aborts the process, so there the port is freed as the process ends.
+    """
+    if _launched is None or _launched.store_fd is None:
+        return True
+    if not getattr(_launched.store, "libuvBackend", False):
+        return False
+    try:
+        listener = socket.socket(fileno=os.dup(_launched.store_fd))
+    except OSError:
+        return False
+    with listener:
+        try:
+            if (not listener.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+                    or listener.getsockname()[1] != _launched.spec.master_port):
+                return False  # not the store's socket any more (closed, its number reused)
+            listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            return False
+    return True
 
 
 def ensure_default_group() -> None:

@@ -77,6 +77,7 @@ from typing import Any
 
 from accelnb.wire.spec import RankFds, split_fds
 from accelnb.wire.template import FollowImports
+from accelnb.worker.process_children import own_children
 from accelnb.worker.template import imports as template_imports
 from accelnb.worker.template.standby_ranks import StandbyRanks
 
@@ -370,7 +371,9 @@ def _end_descendants(spare: set[int], wake_r: int) -> None:
     Repeats until none is left: a process may fork between our look and our kill, and what a
     killed process leaves is re-parented to us. Bounded by ``LEFTOVERS_LIMIT_S``.
     """
-    children = _own_children()
+    # A dead rank's descendants were handed to us, the nearest subreaper, before it could be reaped,
+    # so a leftover is a child of ours that is neither a live worker nor a waiting child.
+    children = own_children()
     if children is not None and children <= spare:  # the common case, in 0.1 ms: nothing was left
         return
     deadline = time.monotonic() + LEFTOVERS_LIMIT_S
@@ -388,26 +391,6 @@ def _end_descendants(spare: set[int], wake_r: int) -> None:
             return
         if not reaped and select.select([wake_r], [], [], min(remaining, 0.05))[0]:  # a SIGCHLD came
             _drain(wake_r)
-
-
-def _own_children() -> set[int] | None:
-    """This process's children, from ``/proc/self/task/*/children``; None where the kernel has
-    no such file (``CONFIG_PROC_CHILDREN``).
-
-    Enough to know that a dead worker left nothing: its descendants were handed to us, the
-    nearest subreaper, before it could be reaped, so a leftover is a child of ours that is
-    neither a live worker nor a waiting child (its own children are below it). Reading every
-    ``/proc/*/stat`` to learn the same took 2.9 ms of each launch's end here, more on a machine
-    that runs more processes.
-    """
-    children: set[int] = set()
-    try:
-        for task in os.scandir("/proc/self/task"):
-            with open(f"/proc/self/task/{task.name}/children", "rb") as listed:
-                children.update(int(pid) for pid in listed.read().split())
-    except OSError:  # no such file here, or a thread ended as we read: the full look decides
-        return None
-    return children
 
 
 def _children_by_parent() -> dict[int, list[int]]:

@@ -176,6 +176,12 @@ class ChannelPump:
             self.output.feed(channels.rank, name, chunk)
         return True
 
+    def all_closed(self, rank: int) -> bool:
+        """Whether each of ``rank``'s channels reached end of file (and was read to it)."""
+        channels = self.get(rank)
+        watched = self._selector.get_map() if self._selector is not None else {}
+        return channels is not None and all(channels.fd(name) not in watched for name in EVERY_CHANNEL)
+
     def unwatch_helper(self) -> None:
         self._unwatch(self._helper_fd)
 

@@ -46,6 +46,7 @@ class RankProcess:
     pid: int = 0  # 0 until the helper forked it
     exit_code: int | None = None  # negative: killed by that signal
     signals_sent: set[int] = field(default_factory=set)  # an exit by one of these is ours, not a crash
+    departed: bool = False  # left nothing behind and exits 0: its group did not wait for the OS to free it
 
     @property
     def alive(self) -> bool:
@@ -117,6 +118,13 @@ class RankProcesses:
         process = self.get(rank)
         if process is not None:
             _signal_pid(process.pid, sig)
+
+    def note_departure(self, rank: int) -> None:
+        """The rank said it leaves nothing behind and closed its channels: it is as good as gone,
+        with exit code 0, while the OS frees its process."""
+        process = self.get(rank)
+        if process is not None:
+            process.exit_code, process.departed = 0, True
 
     def note_exit(self, rank: int, exit_code: int) -> None:
         process = self.get(rank)
