@@ -1,5 +1,6 @@
-"""This process's children, as the Linux kernel lists them: for the template, which learns from
-them that a dead rank left nothing, and for a rank, which learns from them that it leaves nothing.
+"""This process's children, as the Linux kernel knows them: for the template, which learns from
+them that a dead rank left nothing (:func:`own_children`), and for a rank, which learns that it
+leaves nothing (:func:`has_children`).
 
 ``/proc/self/task/*/children`` names the children of each of the process's threads (a child
 belongs to the thread that forked it). Reading it costs about 0.1 ms; reading every
@@ -13,6 +14,20 @@ from __future__ import annotations
 import os
 
 READ_TRIES = 3  # a thread that ends while we read hands its children to another: read again
+_WALL = 0x40000000  # waitid's __WALL: children whatever signal they report their end with (clone())
+
+
+def has_children() -> bool:
+    """Whether this process has a child, running or a zombie, whichever of its threads forked it.
+
+    One system call, and nothing is reaped (``WNOWAIT``): a rank has a dozen threads, and reading
+    each one's children file took 0.4-0.7 ms of a launch's end here.
+    """
+    try:
+        os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT | _WALL)
+    except ChildProcessError:
+        return False
+    return True
 
 
 def own_children() -> set[int] | None:
