@@ -26,10 +26,12 @@ Endings, all of which leave no process and no bound port behind:
 
 - every rank answered: the call's values come back, and a one-shot launch's ranks are told to
   leave. A rank that leaves nothing behind (``Departing``: no process it started is left, no CUDA
-  context, its channels closed) counts as gone once its channels reach end of file: the launch
-  does not wait the ~20 ms the OS takes to free a torch-sized process, nearly half of a short
-  launch; the helper still reaps it. Rank 0 departs only once it stopped listening on the store's
-  port. A session's stop waits for every exit (``await_exits``): it is no fast path;
+  context, the store's port no longer listening, its channels closed) counts as gone once its
+  channels reach end of file: the launch does not wait the ~20 ms the OS takes to free a
+  torch-sized process, nearly half of a short launch, and the helper reaps it after (meanwhile
+  the process only exits, at the lowest priority; gloo's own listener, on a port the OS picked,
+  goes with it). A session's stop waits for every exit
+  (``await_exits``): it is no fast path;
 - a rank raised or died: all others get SIGTERM, then SIGKILL after one shared grace deadline;
 - ``timeout=`` expired: SIGUSR1 makes faulthandler print every rank's stack, then the same stop;
 - the user interrupted (Ctrl-C, a panel's Stop): the same stop, faster (a persistent session
