@@ -21,9 +21,10 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
    own (its inbox reader, its SIGTERM that flushes first);
 4. leaves on the kernel's Shutdown (sent once every rank answered), with ``os._exit``: the OS
    closes the group's sockets. A rank that leaves nothing behind (no process it started is left,
-   no CUDA context) says so first and closes its channels (:func:`_depart`), so that a launch can
-   end without waiting the ~20 ms the OS takes to free a torch-sized process. End of file on the
-   inbox means the kernel is gone (unless we are departing): exit now.
+   no CUDA context; rank 0 stops listening on the store's port) says so first and closes its
+   channels (:func:`_depart`), so that a launch can end without waiting the ~20 ms the OS takes to
+   free a torch-sized process. End of file on the inbox means the kernel is gone (unless we are
+   departing): exit now.
 """
 
 from __future__ import annotations

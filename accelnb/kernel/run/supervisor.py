@@ -30,8 +30,7 @@ Endings, all of which leave no process and no bound port behind:
   channels reach end of file: the launch does not wait the ~20 ms the OS takes to free a
   torch-sized process, nearly half of a short launch, and the helper reaps it after (meanwhile
   the process only exits, at the lowest priority; gloo's own listener, on a port the OS picked,
-  goes with it). A session's stop waits for every exit
-  (``await_exits``): it is no fast path;
+  goes with it). A session's stop waits for every exit (``await_exits``): it is no fast path;
 - a rank raised or died: all others get SIGTERM, then SIGKILL after one shared grace deadline;
 - ``timeout=`` expired: SIGUSR1 makes faulthandler print every rank's stack, then the same stop;
 - the user interrupted (Ctrl-C, a panel's Stop): the same stop, faster (a persistent session
