@@ -41,6 +41,11 @@ print(json.dumps({"kernel": os.getpid()}))
 """
 
 
+# Run in the kernel before its processes are counted: the departed ranks reaped, each with exit code 0.
+REAP_DEPARTED = ("from accelnb.kernel.helper.template import departed_crashes, wait_for_departed_ranks\n"
+                 "assert wait_for_departed_ranks() and departed_crashes() == {}, departed_crashes()")
+
+
 class Kernel:
     """A kernel client that keeps IOPub messages per request and answers prompts."""
 
@@ -110,7 +115,10 @@ class Kernel:
     def workers(self) -> list[psutil.Process]:
         """Live processes under the kernel's helpers: a forked helper hands over to a spawned one
         (``kernel/helper/fork_or_spawn.py``), so whichever helper forked them, they are the kernel's
-        grandchildren."""
+        grandchildren. Asked once the kernel's template reaped the ranks that departed (a launch
+        need not wait for the OS to free them): only the kernel knows which those are."""
+        msg_id = self.execute(REAP_DEPARTED, allow_stdin=False)
+        assert self.finish(msg_id)["content"]["status"] == "ok", self.error(msg_id)
         return [p for p in live_descendants(self.kernel_pid) if _parent(p) != self.kernel_pid]
 
 

@@ -76,7 +76,9 @@ class Usage:
 
 
 def settle(kernel: NotebookKernel) -> Usage:
-    kernel.value("import gc; gc.collect(); print()")
+    # The departed ranks reaped first (a launch need not wait for the OS to free them).
+    kernel.value("import gc; gc.collect(); from accelnb.kernel.helper.template import wait_for_departed_ranks\n"
+                 "assert wait_for_departed_ranks(); print()")
     gc.collect()
     time.sleep(0.5)
     return Usage.of(kernel.pid)
