@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 import accelnb
-from accelnb.kernel.helper.template import running_helper_pid, shared_helper
+from accelnb.kernel.helper.template import running_helper_pid, shared_helper, wait_for_departed_ranks
 from accelnb.worker.template.standby_ranks import STANDBY_NAME
 from tests.conftest import is_standby, worker_processes
 
@@ -30,7 +30,13 @@ WAIT_S = 30.0  # the template forks them once idle: milliseconds, but a loaded C
 
 
 def waiting_children(count: int) -> list[psutil.Process]:
-    """The template's waiting children, once there are ``count`` of them (polled, bounded)."""
+    """The template's waiting children, once there are ``count`` of them (polled, bounded).
+
+    Only once the last launch's departed ranks are reaped: until then the template may fork one
+    ahead as the first is reaped, and let it go again when the last one is (it imports what it
+    had put off while ranks ran, and a waiting child must have all its template has).
+    """
+    assert wait_for_departed_ranks()
     template = running_helper_pid()
     assert template is not None
     deadline = time.monotonic() + WAIT_S
