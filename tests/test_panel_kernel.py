@@ -171,11 +171,13 @@ def _alive(pid: int) -> bool:
 
 
 def _live_children(pid: int) -> list[psutil.Process]:
+    """Live processes below ``pid``, but waiting children. Each is looked at on its own: a rank that
+    departed may end between the listing and the look, and that must not hide the others."""
     try:
-        return [p for p in psutil.Process(pid).children(recursive=True)
-                if p.status() != psutil.STATUS_ZOMBIE and not is_standby(p)]
+        children = psutil.Process(pid).children(recursive=True)
     except psutil.NoSuchProcess:
         return []
+    return [p for p in children if _alive(p.pid) and not is_standby(p)]
 
 
 def test_stop_click_ends_a_blocked_run(kernel: Kernel) -> None:
