@@ -69,10 +69,17 @@ class Usage:
     @classmethod
     def of(cls, pid: int) -> Usage:
         process = psutil.Process(pid)
-        children = [p for p in process.children(recursive=True)
-                    if p.status() != psutil.STATUS_ZOMBIE and not is_standby(p)]
+        children = [p for p in process.children(recursive=True) if running(p) and not is_standby(p)]
         return cls(process.num_fds(), process.num_threads(), len(children),
                    process.memory_info().rss / 2**20)
+
+
+def running(process: psutil.Process) -> bool:
+    """Each child on its own: one that ends between the listing and the look must not hide the others."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def settle(kernel: NotebookKernel) -> Usage:
