@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -79,7 +80,7 @@ def running(pid: int) -> bool:
         return False
 
 
-def run_one_shot(function: object, output: str = "none") -> tuple[WorkerGroup, accelnb.LaunchResult]:
+def run_one_shot(function: Callable[..., object], output: str = "none") -> tuple[WorkerGroup, accelnb.LaunchResult]:
     group = start_workers(cpu_plan(), None, persistent=False, quiet=True)
     result = run_on_group(group, pack_call(function, (), {}), CallSettings(timeout=120, output=output))
     return group, result
