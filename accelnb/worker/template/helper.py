@@ -199,8 +199,10 @@ def serve(sock: socket.socket) -> None:
     standby = StandbyRanks(close_in_child=(sock.fileno(), wake_r, wake_w))
     while True:
         importing = following.has_work(ranks_running=bool(workers))
-        refilling = (not importing and following.unsafe is None and standby.short()
-                     and len(workers) < CORES_HERE)
+        # Not while imports wait for the last rank to end: they would let the new child go at
+        # once (a fork wasted, 10-15 ms of this process on a machine whose ranks are still ending).
+        refilling = (not following.has_work(ranks_running=False) and following.unsafe is None
+                     and standby.short() and len(workers) < CORES_HERE)
         readable, _, _ = select.select([sock.fileno(), wake_r], [], [], 0 if importing or refilling else None)
         if not readable and importing:
             standby.let_go()  # forked before this import: a rank must have all its template has
