@@ -242,6 +242,41 @@ def test_a_functions_own_sigterm_handler_runs_when_accelnb_stops_its_rank(
     assert wait_until_no_workers(5.0) < 5.0
 
 
+def test_a_sigterm_that_comes_in_the_middle_of_a_write_lets_the_write_finish_before_the_rank_dies() -> None:
+    # Python runs a signal handler in the main thread, wherever it is: here inside a long write to
+    # stdout, holding the lock that the flush on SIGTERM needs. A handler that waited there for
+    # that flush waited for itself: the rank died a second later with the write cut short (the
+    # same with a batch of report()s being sent: a failed attempt lost its last steps).
+    def write_then_wait_for_the_end() -> None:
+        import signal
+        import sys
+        import threading
+
+        main = threading.main_thread()
+        block = "".join(f"line {i:06d} " + "x" * 80 + "\n" for i in range(30_000)) + "the last line\n"  # 2.7 MB
+
+        def write_the_block() -> None:  # 40 pipe-fulls: the write blocks while the kernel reads
+            sys.stdout.write(block)
+
+        def sigterm_in_the_write() -> None:
+            while True:
+                frame = sys._current_frames().get(main.ident)  # type: ignore[arg-type]
+                if frame is not None and frame.f_code.co_name == "write_the_block":
+                    signal.pthread_kill(main.ident, signal.SIGTERM)  # type: ignore[arg-type]
+                    return
+
+        threading.Thread(target=sigterm_in_the_write, daemon=True).start()
+        write_the_block()
+        threading.Event().wait()  # the rank ends of the SIGTERM, after flushing
+
+    with pytest.raises(RankCrashed, match="killed by SIGTERM"):
+        launch(write_then_wait_for_the_end, num_processes=1, cpu=True, quiet=True)
+    after = last_result()
+    assert after is not None
+    assert after.output(0).endswith("the last line\n"), after.output(0)[-200:]
+    assert after.output(0).count("\n") == 30_001
+
+
 def test_a_segfault_is_reported_with_the_signal_name() -> None:
     def crash() -> None:
         import ctypes

@@ -196,8 +196,12 @@ def _flush_before_dying_of_sigterm(wake: Callable[[], None]) -> threading.Event:
         wake()
 
     def die_after_flushing(signum: int, frame: FrameType | None) -> None:
-        # Runs in the main thread when it runs Python; the watcher may have acted already.
-        act_on_sigterm()
+        # Runs in the main thread when it next runs Python (the watcher may have acted already),
+        # and that may be in the middle of our own flush or a print, holding the lock the flush
+        # needs: acting here, the main thread would wait for the flushing thread and that thread
+        # for the main thread, until the limit ran out and the rank died with that batch unsent
+        # (a failed attempt's last reports, once in a full test run). So it acts from a thread.
+        threading.Thread(target=act_on_sigterm, name="accelnb-sigterm-act", daemon=True).start()
 
     def watch_for_sigterm() -> None:
         while True:
