@@ -114,6 +114,12 @@ def is_standby(process: psutil.Process) -> bool:
         return False
 
 
+# Run in a kernel before counting its processes from outside: only the kernel knows which ranks
+# departed (a launch need not wait for the OS to free them); they are reaped, each with exit code 0.
+REAP_DEPARTED_IN_KERNEL = ("from accelnb.kernel.helper.template import departed_crashes, wait_for_departed_ranks\n"
+                           "assert wait_for_departed_ranks() and departed_crashes() == {}, departed_crashes()")
+
+
 def live_descendants(pid: int) -> list[psutil.Process]:
     """Every process below ``pid`` that still runs (zombies excluded), but a template's children
     that wait for a rank to become (``worker/template/standby_ranks.py``): they are the template's, not a

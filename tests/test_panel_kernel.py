@@ -25,7 +25,7 @@ import psutil
 import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 
-from tests.conftest import is_standby, start_repo_kernel
+from tests.conftest import live_descendants, start_repo_kernel
 
 Message = dict[str, Any]
 
@@ -152,7 +152,7 @@ def kernel() -> Iterator[Kernel]:
     finally:
         # Whatever runs below the kernel now (its helper, a forked bridge's spawned successor)
         # must go with it: looked up before the kernel dies and its children are re-parented.
-        below_kernel = _live_children(kernel_pid) if kernel_pid is not None else []
+        below_kernel = live_descendants(kernel_pid) if kernel_pid is not None else []
         client.stop_channels()
         manager.shutdown_kernel(now=True)
     if session.helper_pid is not None:  # it launched: its shared helper runs until the kernel goes
@@ -170,16 +170,6 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def _live_children(pid: int) -> list[psutil.Process]:
-    """Live processes below ``pid``, but waiting children. Each is looked at on its own: a rank that
-    departed may end between the listing and the look, and that must not hide the others."""
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    return [p for p in children if _alive(p.pid) and not is_standby(p)]
-
-
 def test_stop_click_ends_a_blocked_run(kernel: Kernel) -> None:
     ids = json.loads(kernel.run(SETUP, timeout=120))
     assert ids["supported"] is True, "ipykernel layout not recognised: comm messages would wait for the cell"
@@ -191,7 +181,7 @@ def test_stop_click_ends_a_blocked_run(kernel: Kernel) -> None:
     # The panel shows both ranks running: its updates reach the browser while the cell blocks.
     kernel.wait_for(lambda m: shows_running(m) and sum(shows_running(x) for _, x in kernel.seen) >= 2,
                     timeout=60)
-    workers = _live_children(ids["helper"])
+    workers = live_descendants(ids["helper"])
     assert len(workers) == 2, f"expected 2 workers below the helper, found {workers}"
     later_id = kernel.client.execute("print('the queued cell ran')")  # must wait for the run cell
     kernel.collect(1.0)  # the refresh thread sends memory updates while the kernel is busy
@@ -207,9 +197,9 @@ def test_stop_click_ends_a_blocked_run(kernel: Kernel) -> None:
     assert run_reply["content"]["ename"] in ("RunInterrupted", "KeyboardInterrupt")
     assert "accelnb stopped the run" in run_reply["content"]["evalue"]
     deadline = time.monotonic() + 5
-    while _live_children(ids["helper"]) and time.monotonic() < deadline:
+    while live_descendants(ids["helper"]) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _live_children(ids["helper"]) == [], "a worker outlived the stop"
+    assert live_descendants(ids["helper"]) == [], "a worker outlived the stop"
     assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)
 
     # The cell queued behind the run was not run during it; like any cell queued behind a cell

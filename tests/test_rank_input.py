@@ -28,7 +28,7 @@ import pytest
 from jupyter_client.blocking.client import BlockingKernelClient
 from jupyter_client.manager import KernelManager
 
-from tests.conftest import REPO, live_descendants, start_repo_kernel
+from tests.conftest import REAP_DEPARTED_IN_KERNEL, REPO, live_descendants, start_repo_kernel
 
 Message = dict[str, Any]
 
@@ -39,11 +39,6 @@ from accelnb import notebook_launcher
 notebook_launcher(int, num_processes=2, cpu=True, quiet=True)  # warm: later timings are the runs' own
 print(json.dumps({"kernel": os.getpid()}))
 """
-
-
-# Run in the kernel before its processes are counted: the departed ranks reaped, each with exit code 0.
-REAP_DEPARTED = ("from accelnb.kernel.helper.template import departed_crashes, wait_for_departed_ranks\n"
-                 "assert wait_for_departed_ranks() and departed_crashes() == {}, departed_crashes()")
 
 
 class Kernel:
@@ -117,7 +112,7 @@ class Kernel:
         (``kernel/helper/fork_or_spawn.py``), so whichever helper forked them, they are the kernel's
         grandchildren. Asked once the kernel's template reaped the ranks that departed (a launch
         need not wait for the OS to free them): only the kernel knows which those are."""
-        msg_id = self.execute(REAP_DEPARTED, allow_stdin=False)
+        msg_id = self.execute(REAP_DEPARTED_IN_KERNEL, allow_stdin=False)
         assert self.finish(msg_id)["content"]["status"] == "ok", self.error(msg_id)
         return [p for p in live_descendants(self.kernel_pid) if _parent(p) != self.kernel_pid]
 

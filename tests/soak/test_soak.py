@@ -24,7 +24,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parents[1] / "faults"))
 from kernel_driver import NotebookKernel
 
-from tests.conftest import is_standby
+from tests.conftest import REAP_DEPARTED_IN_KERNEL, live_descendants
 
 LAUNCHES = int(os.environ.get("ACCELNB_SOAK_LAUNCHES", "500"))
 WARM_UP = 10
@@ -69,23 +69,13 @@ class Usage:
     @classmethod
     def of(cls, pid: int) -> Usage:
         process = psutil.Process(pid)
-        children = [p for p in process.children(recursive=True) if running(p) and not is_standby(p)]
-        return cls(process.num_fds(), process.num_threads(), len(children),
+        return cls(process.num_fds(), process.num_threads(), len(live_descendants(pid)),
                    process.memory_info().rss / 2**20)
-
-
-def running(process: psutil.Process) -> bool:
-    """Each child on its own: one that ends between the listing and the look must not hide the others."""
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def settle(kernel: NotebookKernel) -> Usage:
     # The departed ranks reaped first (a launch need not wait for the OS to free them).
-    kernel.value("import gc; gc.collect(); from accelnb.kernel.helper.template import wait_for_departed_ranks\n"
-                 "assert wait_for_departed_ranks(); print()")
+    kernel.value(f"import gc; gc.collect()\n{REAP_DEPARTED_IN_KERNEL}\nprint()")
     gc.collect()
     time.sleep(0.5)
     return Usage.of(kernel.pid)
