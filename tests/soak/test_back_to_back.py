@@ -74,7 +74,7 @@ def _failures(functions: list, repeats: int, num_processes: int) -> list[str]:
 
 @pytest.mark.slow
 def test_back_to_back_accelerate_launches_never_lose_a_rank_in_set_up(busy_cpus: None) -> None:
-    failures = _failures([report_only, with_accelerate], PAIRS, num_processes=2, cpu=True)
+    failures = _failures([report_only, with_accelerate], PAIRS, num_processes=2)
     assert not failures, f"{len(failures)} of {2 * PAIRS} launches failed:\n" + "\n".join(failures[:5])
 
 
