@@ -29,11 +29,12 @@ from typing import Any, Literal
 
 from accelnb.kernel.display.output import OutputRouter
 from accelnb.kernel.helper.client import StepHook
-from accelnb.wire.channel import MessageReader, receive_chunk
+from accelnb.wire.channel import MessageReader
 from accelnb.wire.held_interrupts import held_interrupts
 from accelnb.wire.spec import RankFds
 
 PIPE_SIZE = 1 << 20  # bigger pipes: fewer wake-ups for floods and large results
+PIPE_READ_BYTES = 1 << 18  # one read's most: a full pipe takes a few reads, with no wait between them
 F_SETPIPE_SZ = 1031
 
 Channel = Literal["stdout", "stderr", "events"]
@@ -79,6 +80,9 @@ class ChannelPump:
         self._helper_fd = -1
         self._on_helper: Callable[[], None] = _nothing
         self._their_ends: list[int] = []  # the workers' ends, until the helper has them
+        # Every pipe read goes into this, reused: a fresh 1 MiB bytes object per read (what
+        # ``os.read(fd, 1 << 20)`` allocates, then shrinks) costs more than a small read itself.
+        self._pipe_scratch: bytearray | None = None
 
     def get(self, rank: int) -> RankChannels | None:
         return self._by_rank.get(rank)
@@ -153,27 +157,35 @@ class ChannelPump:
 
     def _read(self, channels: RankChannels, name: Channel, fd: int, on_event: EventHandler) -> bool:
         """Read one chunk if there is one; True when data came (more may follow)."""
-        fds: list[int] = []
+        if name == "events":
+            return self._read_events(channels, fd, on_event)
+        if self._pipe_scratch is None:
+            self._pipe_scratch = bytearray(PIPE_READ_BYTES)
         try:
-            if name == "events":
-                assert channels.events is not None
-                with held_interrupts():  # received fds: queued before a Ctrl-C may surface
-                    chunk, fds = receive_chunk(channels.events)
-                    events = channels.event_reader.feed(chunk, fds) if chunk else []
-            else:
-                chunk = os.read(fd, 1 << 20)
+            size = os.readv(fd, [self._pipe_scratch])
+        except BlockingIOError:
+            return False
+        if not size:
+            self._unwatch(fd)
+            return False
+        with memoryview(self._pipe_scratch) as scratch:
+            self.output.feed(channels.rank, name, bytes(scratch[:size]))
+        return True
+
+    def _read_events(self, channels: RankChannels, fd: int, on_event: EventHandler) -> bool:
+        assert channels.events is not None
+        try:
+            with held_interrupts():  # received fds: queued before a Ctrl-C may surface
+                events = channels.event_reader.receive_from(channels.events)
         except BlockingIOError:
             return False
         except ConnectionResetError:
-            chunk = b""
-        if not chunk:
+            events = None
+        if events is None:
             self._unwatch(fd)
             return False
-        if name == "events":
-            for event in events:
-                on_event(channels.rank, event)
-        else:
-            self.output.feed(channels.rank, name, chunk)
+        for event in events:
+            on_event(channels.rank, event)
         return True
 
     def all_closed(self, rank: int) -> bool:

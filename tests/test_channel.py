@@ -1,0 +1,66 @@
+"""The wire between kernel and workers (``wire/channel.py``): what goes in comes out whole.
+
+Each reader reads into one buffer of its own, over and over, so a message decoded from one read
+must not change when the next read overwrites that buffer; a frame longer than one read comes
+together over several; a frame over ``INLINE_LIMIT_BYTES`` brings its memfd along.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+
+import numpy as np
+
+from accelnb.wire.channel import INLINE_LIMIT_BYTES, RECEIVE_BYTES, MessageReceiver, MessageWriter
+
+
+def send_all_then_close(sock: socket.socket, messages: list[object]) -> threading.Thread:
+    """Send from a thread: a frame longer than the socket's buffer blocks until it is read."""
+    def send() -> None:
+        writer = MessageWriter(sock)
+        for message in messages:
+            writer.send(message)
+        sock.close()
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    return sender
+
+
+def test_messages_longer_than_one_read_and_short_ones_between_come_back_whole() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    long_bytes = os.urandom(3 * RECEIVE_BYTES + 17)
+    array = np.arange(INLINE_LIMIT_BYTES // 16, dtype=np.int64)  # out of band, inline: half the limit
+    assert RECEIVE_BYTES < array.nbytes < INLINE_LIMIT_BYTES
+    messages: list[object] = [("short", 1), long_bytes, {"array": array}, "x" * 10, ("short", 2)]
+    sender = send_all_then_close(theirs, messages)
+    receiver = MessageReceiver(ours)
+    received = []
+    while (message := receiver.receive()) is not None:
+        received.append(message)
+    sender.join()
+    ours.close()
+
+    assert len(received) == len(messages)
+    assert received[0] == ("short", 1)
+    assert received[1] == long_bytes  # read over several reads into the same buffer
+    assert np.array_equal(received[2]["array"], array)
+    received[2]["array"][0] = -1  # writable: a copy, not a view of the reader's buffer
+    assert received[3:] == ["x" * 10, ("short", 2)]
+
+
+def test_a_frame_over_the_inline_limit_brings_its_memfd_and_leaves_no_fd_behind() -> None:
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    before = set(os.listdir("/proc/self/fd"))
+    array = np.full(INLINE_LIMIT_BYTES // 8 + 1024, 7, dtype=np.int64)
+    sender = send_all_then_close(theirs, [("before", 0), {"array": array}, ("after", 1)])
+    receiver = MessageReceiver(ours)
+    first, shared, last, end = receiver.receive(), receiver.receive(), receiver.receive(), receiver.receive()
+    sender.join()
+    ours.close()
+
+    assert (first, last, end) == (("before", 0), ("after", 1), None)
+    assert np.array_equal(shared["array"], array)
+    assert set(os.listdir("/proc/self/fd")) <= before  # the memfd was closed once mapped
