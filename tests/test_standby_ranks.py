@@ -142,3 +142,30 @@ def test_a_session_started_from_waiting_children_shows_its_ranks_at_once() -> No
         # The template reports a pid only once its child took the rank's name: never a rank that
         # looks like a waiting child to whoever looks right after the start.
         assert {p.pid for p in worker_processes()} == waiting
+
+
+def accelnbs_threads() -> list[str]:
+    import threading
+
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("accelnb-"))
+
+
+def test_a_waiting_child_starts_the_ranks_threads_while_it_waits_and_dies_of_sigterm() -> None:
+    """A thread's start costs a launch ~0.6 ms on 2 cores: a waiting child has started the three
+    every rank runs before any launch wants it, and a rank that takes it runs those very threads."""
+    shared_helper()
+    launch()
+    waiting = waiting_children(2)
+    for child in waiting:
+        deadline = time.monotonic() + WAIT_S
+        while child.num_threads() < 4:  # its main thread, SIGTERM's watcher, the inbox reader, the flusher
+            assert time.monotonic() < deadline, f"{child.num_threads()} threads in a waiting child"
+            time.sleep(0.02)
+    result = accelnb.launch(accelnbs_threads, num_processes=2, cpu=True, quiet=True, collect="all", timeout=120)
+    assert set(result.values) == {0, 1}
+    assert all(threads == ["accelnb-flush", "accelnb-inbox", "accelnb-sigterm"] for threads in result.values.values())
+
+    victim, _survivor = waiting_children(2)
+    os.kill(victim.pid, signal.SIGTERM)  # its handler is accelnb's by now: flush (nothing yet), then die of it
+    victim.wait(10)
+    assert launch()[1]["rank"] == 1  # the launch forks the rank that found no child

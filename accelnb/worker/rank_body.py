@@ -253,10 +253,14 @@ def _block_buffered_text(fd: int) -> io.TextIOWrapper:
     return stream
 
 
-def start_flusher() -> threading.Event:
+def start_flusher(begin: threading.Event | None = None) -> threading.Event:
+    """Start the thread that flushes the rank's streams and reports every ``FLUSH_INTERVAL_S``, from
+    the moment ``begin`` is set (None: now); returns the event that stops it."""
     stop = threading.Event()
 
     def flush_forever() -> None:
+        if begin is not None:
+            begin.wait()
         while not stop.wait(FLUSH_INTERVAL_S):
             flush_streams_and_metrics(periodic=True)
 

@@ -210,7 +210,7 @@ def serve(sock: socket.socket) -> None:
             continue
         if not readable and refilling:
             standby.fork_one(become_rank=lambda spec, fds: _become_worker(spec, fds, leave_template=False),
-                             leave_template=_leave_template)
+                             leave_template=_leave_template_to_wait)
             continue
         if wake_r in readable:
             _drain(wake_r)
@@ -321,6 +321,15 @@ def _leave_template() -> None:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def _leave_template_to_wait() -> None:
+    """A waiting child, first: leave the template, then start what any rank starts (its threads),
+    while nothing waits for it."""
+    _leave_template()
+    from accelnb.worker.main import start_while_waiting
+
+    start_while_waiting()
 
 
 def _report_start_failure(rank: int, stderr_fd: int, events_fd: int, error: BaseException) -> None:

@@ -5,9 +5,10 @@ imported torch), and the child as much again before it runs a line of its rank; 
 ranks paid both, one after the other, before any rank could join its group: 30 of a 2-rank
 launch's 85 ms on a 2-core machine. So, while the template has nothing else to do, it forks as
 many children as the last launch had ranks; each does the part of becoming a rank that does not
-depend on which rank (its own session, death with the template, subreaper) and then waits on a
-socket of its own for a spec and its fds. A launch hands each spec to a waiting child (one
-``sendmsg``) instead of forking, and forks only for the ranks that found none.
+depend on which rank (its own session, death with the template, subreaper, the rank's threads:
+``worker/main.py``) and then waits on a socket of its own for a spec and its fds. A launch hands
+each spec to a waiting child (one ``sendmsg``) instead of forking, and forks only for the ranks
+that found none.
 
 A waiting child is a fork of the template as it was: it is let go (SIGKILL, reaped silently like
 any leftover) as soon as the template imports anything more or takes new kernel state, so a rank
