@@ -43,8 +43,8 @@ from accelnb.wire.template import FollowImports
 
 HELPER_MODULE = "accelnb.worker.template.helper"  # named, not imported: it runs on the worker side
 START_TIMEOUT_S = 120.0
-# A report is one SEQPACKET message, read whole or cut short: this holds the longest by far (an
-# unsafe import's description is the longest, a few KiB).
+# A report is one SEQPACKET message, read whole or cut short: this is far more than the longest
+# (an unsafe import's description, a few KiB).
 REPORT_BYTES = 1 << 20
 SPAWN_TIMEOUT_S = 60.0
 # A launch waits this long for the template to import what the kernel has (transformers and its
