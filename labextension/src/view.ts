@@ -35,12 +35,21 @@ export class GpuPanelView extends Widget {
     super();
     this._model = model;
     this.addClass('accelnb-GpuPanel');
+    // A redraw replaces every element, and a click whose press and release straddle one lands on
+    // no button (the browser forgets a pressed element once it leaves the page): a running launch
+    // redraws the panel every second, and a Stop once did nothing. So no redraw while a pointer is
+    // pressed in the panel; the one that was due comes once the click is through.
+    this.node.addEventListener('pointerdown', this._onPress);
+    window.addEventListener('pointerup', this._onRelease, true);
+    window.addEventListener('pointercancel', this._onRelease, true);
     model.changed.connect(this._render, this);
     this._render();
   }
 
   dispose(): void {
     this._model.changed.disconnect(this._render, this);
+    window.removeEventListener('pointerup', this._onRelease, true);
+    window.removeEventListener('pointercancel', this._onRelease, true);
     super.dispose();
   }
 
@@ -54,7 +63,26 @@ export class GpuPanelView extends Widget {
     this._model.watch(false);
   }
 
+  private _onPress = (): void => {
+    this._pressed = true;
+  };
+
+  private _onRelease = (): void => {
+    if (!this._pressed) {
+      return;
+    }
+    this._pressed = false;
+    if (this._redrawDue) {
+      this._redrawDue = false;
+      window.setTimeout(() => this._render(), 0); // after the click this release makes
+    }
+  };
+
   private _render(): void {
+    if (this._pressed) {
+      this._redrawDue = true;
+      return;
+    }
     const model = this._model;
     const root = this.node;
     root.textContent = '';
@@ -218,6 +246,8 @@ export class GpuPanelView extends Widget {
   }
 
   private _model: GpuPanelModel;
+  private _pressed = false; // a pointer is down in the panel
+  private _redrawDue = false; // a change came meanwhile
   private _openRanks = new Set<number>(); // ranks whose detail the user opened
   private _openRunId: number | null = null;
 }

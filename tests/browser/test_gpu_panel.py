@@ -236,7 +236,17 @@ def test_the_panels_stop_lets_code_that_checks_save_and_offers_stop_now(page: Pa
     lab.run_cell(1)
     expect(lab.output(1)).to_contain_text("training", timeout=90_000)
     # One click sends a comm message and interrupts the kernel: the kernel takes both as one press.
-    panel.locator(".accelnb-GpuPanel-stop").click()
+    # This click's press and release straddle changes of the panel's figures: the panel has the
+    # kernel read the GPUs every 2 s, and the cell's table, changed three times (about once a
+    # second), shows that time went by. A redraw under the press once left the click on no
+    # button at all: the Stop did nothing.
+    stop_box = panel.locator(".accelnb-GpuPanel-stop").bounding_box()
+    assert stop_box is not None
+    page.mouse.move(stop_box["x"] + stop_box["width"] / 2, stop_box["y"] + stop_box["height"] / 2)
+    page.mouse.down()
+    for _ in range(3):
+        expect(lab.output(1)).not_to_have_text(lab.output(1).inner_text(), timeout=10_000)
+    page.mouse.up()
     expect(panel.locator(".accelnb-GpuPanel-runTitle")).to_contain_text("stop requested", timeout=10_000)
     expect(panel.locator(".accelnb-GpuPanel-stop")).to_have_text("Stop now")
     expect(lab.output(1)).to_contain_text("stop requested")  # the cell says so too
