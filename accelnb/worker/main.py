@@ -87,10 +87,10 @@ def report_setup_failure(rank: int, events_fd: int, error: BaseException) -> Non
 class _RankThreads:
     """What every rank starts, whichever rank it becomes: its threads (the SIGTERM watcher, the
     inbox reader, the flusher) and what they share with the main loop. Python's ``Thread.start``
-    returns once the thread ran: 0.4-0.7 ms each on 2 cores, 2.5 ms of a launch for the three
-    when a rank started them after its spec came. A waiting child starts them while it waits
-    (:func:`start_while_waiting`); the inbox reader is handed its socket, and the flusher starts
-    flushing, once the rank is known."""
+    returns once the thread ran: SIGTERM's set-up took 1.0-1.3 ms and the other two 1.3-1.4 ms
+    together on 2 cores, on every launch's path when a rank started them after its spec came. A
+    waiting child starts them while it waits (:func:`start_while_waiting`); the inbox reader is
+    handed its socket, and the flusher starts flushing, once the rank is known."""
 
     commands: queue.Queue[Any]  # from the inbox reader (and SIGTERM's wake-up) to the main loop
     # Set once this rank said it departs: the kernel closing our inbox from then on is expected,
