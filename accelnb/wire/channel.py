@@ -118,7 +118,7 @@ def send_frame(sock: socket.socket, frame: Frame, after_each_write: Callable[[in
             after_each_write(len(view))
 
 
-def receive_chunk(sock: socket.socket, into: bytearray) -> tuple[memoryview, list[int]]:
+def _receive_chunk(sock: socket.socket, into: bytearray) -> tuple[memoryview, list[int]]:
     """One read into ``into``: a view of the bytes that came (valid until ``into`` is read into
     again; empty at end of file) and the fds that came with them (close-on-exec)."""
     # Not socket.recv_fds: it drops its flags argument, and received fds must be close-on-exec.
@@ -159,7 +159,7 @@ class MessageReader:
         """Read ``sock`` once: the messages it completed (often none, or one); None at end of file."""
         if self._scratch is None:
             self._scratch = bytearray(RECEIVE_BYTES)
-        chunk, fds = receive_chunk(sock, self._scratch)
+        chunk, fds = _receive_chunk(sock, self._scratch)
         if not chunk:
             return None
         with chunk:
