@@ -19,15 +19,12 @@ typecheck: setup
 	.venv/bin/mypy
 	.venv/bin/mypy benchmarks/*.py  # they call accelnb's insides: a changed signature fails here, not in a run
 
-# Test files side by side, one worker more than there are cores, at most four. A test waits on
-# kernels, ranks and Ray nodes as much as it computes: two at a time on a 2-core machine used half
-# of its CPU (24 min 11 s of CPU in a 23 min 48 s run), and three at a time did not slow the tests
-# that measure (one at a time took 24 minutes, two 18-20, three 16-17). Each worker starts kernels
-# that import torch, hence at most four. A file stays on one worker: its module fixtures (a Ray
+# Two test files at a time on a 2-core machine (a test waits on kernels and ranks as much as it
+# computes: 24 minutes one at a time, 14 two at a time), at most four on a bigger one (each worker
+# starts kernels that import torch). A file stays on one worker: its module fixtures (a Ray
 # cluster, a kernel) start once. The longest files go first (tests/conftest.py, LONGEST_FILES_FIRST).
-TEST_WORKERS := $(shell python3 -c "import os; print(min(4, len(os.sched_getaffinity(0)) + 1))")
 test: setup lint typecheck
-	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25  # the slowest tests, to keep `make test` near 12 minutes
+	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=25  # the slowest tests, to keep `make test` near 12 minutes
 
 # The GPU tier (tests/gpu/ and the other tests marked gpu): real CUDA on this machine's GPUs. A test
 # that needs more GPUs than there are is skipped, and -rs lists each skip with the count it needs.
