@@ -182,10 +182,12 @@ def launch_section(r: dict[str, Any]) -> str:
         ]
     return ("### 1. One-shot launch of a trivial function (ms)\n\n"
             "Group set up by the launcher (for Accelerate by the function, from its environment), one "
-            "`all_reduce`, return. *First launch* is the process's first; then launches back to back, and "
-            f"launches {spacing:g} s apart (the pause untimed), as cells a person runs: accelnb's template "
-            "forks the next launch's ranks while idle (`worker/template/standby_ranks.py`), which only the second "
-            "shows. accelnb's first launch starts its helper process (a fresh interpreter importing "
+            "`all_reduce`, return. *First launch* is the process's first; then launches "
+            f"{spacing:g} s apart (the pause untimed), as cells a person runs, then launches back to back: "
+            "accelnb's template forks the next launch's ranks while idle (`worker/template/standby_ranks.py`), "
+            "which only launches apart show, and once nothing came for 0.1 s moves its memory onto 2 MiB pages "
+            "(`worker/template/huge_pages.py`, in the first pauses), which makes every later fork and rank "
+            "exit cheaper. accelnb's first launch starts its helper process (a fresh interpreter importing "
             "torch).\n\n" + table(header, rows) + "\n\n" + ratio_table(ratio_rows))
 
 

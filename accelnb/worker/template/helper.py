@@ -80,7 +80,7 @@ from accelnb.wire.spec import RankFds, split_fds
 from accelnb.wire.template import FollowImports
 from accelnb.worker.process_children import own_children
 from accelnb.worker.template import imports as template_imports
-from accelnb.worker.template.huge_pages import HugePages
+from accelnb.worker.template.huge_pages import QUIET_BEFORE_COLLAPSE_S, HugePages
 from accelnb.worker.template.standby_ranks import StandbyRanks
 
 PR_SET_PDEATHSIG = 1
@@ -200,27 +200,34 @@ def serve(sock: socket.socket) -> None:
     following = Following(sock)
     standby = StandbyRanks(close_in_child=(sock.fileno(), wake_r, wake_w))
     pages = HugePages()
+    quiet_since = time.monotonic()  # when the kernel or a rank last gave the template something to do
     while True:
         importing = following.has_work(ranks_running=bool(workers))
         idle = not following.has_work(ranks_running=False) and len(workers) < CORES_HERE
-        # Before the waiting children are forked, so that they are forks of the collapsed memory.
-        collapsing = idle and pages.due()
         # Not while imports wait for the last rank to end: they would let the new child go at
         # once (a fork wasted, 10-15 ms of this process on a machine whose ranks are still ending).
         refilling = idle and following.unsafe is None and standby.short()
-        busy = importing or collapsing or refilling
-        readable, _, _ = select.select([sock.fileno(), wake_r], [], [], 0 if busy else None)
+        collapsing = idle and not refilling and pages.due()
+        if importing or refilling:
+            timeout: float | None = 0
+        elif collapsing:  # once nothing came for a while: launches back to back are left alone
+            timeout = max(0.0, quiet_since + QUIET_BEFORE_COLLAPSE_S - time.monotonic())
+        else:
+            timeout = None
+        readable, _, _ = select.select([sock.fileno(), wake_r], [], [], timeout)
+        if readable:
+            quiet_since = time.monotonic()
         if not readable and importing:
             standby.let_go()  # forked before this import: a rank must have all its template has
             following.step()
             pages.memory_changed()  # the import's memory too, once no more imports wait
             continue
-        if not readable and collapsing:
-            pages.step()
-            continue
         if not readable and refilling:
             standby.fork_one(become_rank=lambda spec, fds: _become_worker(spec, fds, leave_template=False),
                              leave_template=_leave_template_to_wait)
+            continue
+        if not readable and collapsing:
+            pages.step()
             continue
         if wake_r in readable:
             _drain(wake_r)

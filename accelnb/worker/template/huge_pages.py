@@ -17,13 +17,18 @@ fork and one exit per rank, on the launch's path when no waiting child is left
 (``standby_ranks.py``), and as CPU the next launch competes with when launches come back to back
 on few cores.
 
-So while the template has nothing else to do (no import asked for, no rank to fork), it asks the
-kernel to collapse its written private memory into transparent huge pages (``MADV_COLLAPSE``,
-Linux 6.1+, synchronous, independent of the system's THP setting unless that is ``never``),
-one 4 MiB piece per turn of its loop, so that a request waits for at most one piece (about 10 ms).
+So once the template has had nothing to do for a moment (no import asked for, no rank to fork,
+no waiting child to replace, and nothing from the kernel or a rank for
+:data:`QUIET_BEFORE_COLLAPSE_S`), it asks the kernel to collapse its written private memory into
+transparent huge pages (``MADV_COLLAPSE``, Linux 6.1+, synchronous, independent of the system's
+THP setting unless that is ``never``), one 4 MiB piece per turn of its loop, so that a request
+waits for at most one piece (about 10 ms). A pass costs 0.2-0.4 s of CPU, once per template and
+again after it imported more; waiting for a quiet moment keeps that out of a burst of launches
+(a script's loop), which it would slow, while a notebook's pauses between cells leave plenty.
 A fork then copies one entry per 2 MiB, and a rank that writes a page gets a copy of that 4 KiB
 page only (the kernel splits the shared huge page's mapping in the writer), so a rank's memory
-grows no more than before.
+grows no more than before. The children already waiting stay as they are; the next ones are
+forks of the collapsed memory.
 
 Only 2 MiB ranges that are nearly all in memory already (``mincore``: at least 7/8 of their
 pages) are collapsed: collapsing fills a range's missing pages with zeros, and a library's
@@ -47,6 +52,7 @@ HUGE_PAGE = 1 << 21
 PIECE = 2 * HUGE_PAGE  # per turn of the template's loop: about 10 ms of the kernel's work
 MADV_COLLAPSE = 25  # linux/mman.h; Python's mmap module has it only from 3.12 on Linux 6.1+
 MIN_RESIDENT_FRACTION = 7 / 8
+QUIET_BEFORE_COLLAPSE_S = 0.1  # launches back to back come every 40-60 ms; cells seconds apart
 # A benchmark's switch, not a user setting: ``benchmarks/bench_huge_pages.py`` measures the
 # template both ways.
 OFF_ENV = "ACCELNB_BENCH_HUGE_PAGES_OFF"
