@@ -3,7 +3,7 @@ its written memory while idle, a rank that writes still copies only 4 KiB pages,
 was reserved but never touched stays out of memory.
 
 Real templates and launches, real ``madvise``; the pages are read back from ``/proc``. Where this
-kernel cannot collapse memory at all (older than 6.1, THP ``never``), the tests skip and say so.
+kernel cannot collapse memory at all (older than 6.1, built without THP), the tests skip and say so.
 """
 
 from __future__ import annotations

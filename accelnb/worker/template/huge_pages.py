@@ -3,25 +3,26 @@
 A fork copies one page-table entry for every private page the template has written, and the
 child's exit walks and frees them again. An interpreter that imported torch holds about 145 MiB of
 such memory (250 MiB with transformers), 37,000-64,000 entries of 4 KiB pages. Measured on the
-2-core machine (Linux 6.18, ``fork``, ``os._exit`` at once, ``wait4``; medians of 20):
+2-core machine (``benchmarks/bench_huge_pages.py``: ``fork``, ``os._exit`` at once, ``wait4``;
+medians of 20, wall time from fork to reaped and the child's CPU time, most of it the exit):
 
-========================  =================  =================
-template                  4 KiB pages        2 MiB pages
-========================  =================  =================
-torch                     29.5 ms, 16.0 CPU  9.6 ms, 5.9 CPU
-torch and transformers    43.8 ms, 24.8 CPU  16.0 ms, 10.3 CPU
-========================  =================  =================
+========================  ===================  ==================
+template                  4 KiB pages          2 MiB pages
+========================  ===================  ==================
+torch                     24.0 ms, 13.7 CPU    7.5 ms, 4.9 CPU
+torch and transformers    43.8 ms, 24.6 CPU    13.4 ms, 9.3 CPU
+========================  ===================  ==================
 
-(wall time of fork to reaped; CPU time of the child, most of it the exit). Every launch pays one
-fork and one exit per rank, on the launch's path when no waiting child is left
-(``standby_ranks.py``), and as CPU the next launch competes with when launches come back to back
-on few cores.
+Every launch pays one fork and one exit per rank: on the launch's path when no waiting child is
+left (``standby_ranks.py``), and as CPU the next launch competes with when launches come back to
+back on few cores. There, a 2-rank launch took 72 ms on 4 KiB pages and 47 ms on 2 MiB pages,
+the whole machine spending 117 and 77 ms of CPU per launch.
 
 So once the template has had nothing to do for a moment (no import asked for, no rank to fork,
 no waiting child to replace, and nothing from the kernel or a rank for
 :data:`QUIET_BEFORE_COLLAPSE_S`), it asks the kernel to collapse its written private memory into
-transparent huge pages (``MADV_COLLAPSE``, Linux 6.1+, synchronous, independent of the system's
-THP setting unless that is ``never``), one 4 MiB piece per turn of its loop, so that a request
+transparent huge pages (``MADV_COLLAPSE``, Linux 6.1+: synchronous, and independent of the
+system's THP settings, it fails only where the process or a mapping opted out), one 4 MiB piece per turn of its loop, so that a request
 waits for at most one piece (about 10 ms). A pass costs 0.2-0.4 s of CPU, once per template and
 again after it imported more; waiting for a quiet moment keeps that out of a burst of launches
 (a script's loop), which it would slow, while a notebook's pauses between cells leave plenty.
@@ -33,7 +34,7 @@ forks of the collapsed memory.
 Only 2 MiB ranges that are nearly all in memory already (``mincore``: at least 7/8 of their
 pages) are collapsed: collapsing fills a range's missing pages with zeros, and a library's
 reserved-but-untouched buffer must not become resident. Where the kernel cannot do it (older than
-6.1, THP ``never``, a container that forbids it), the first pass collapses nothing and the
+6.1, built without THP, ``PR_SET_THP_DISABLE``), the first pass collapses nothing and the
 template never tries again: forks work as before.
 
     >>> pages = HugePages()                 # due at once: the start-up's imports      # doctest: +SKIP
