@@ -18,18 +18,18 @@ left (``standby_ranks.py``), and as CPU the next launch competes with when launc
 back on few cores. There, a 2-rank launch took 72 ms on 4 KiB pages and 47 ms on 2 MiB pages,
 the whole machine spending 117 and 77 ms of CPU per launch.
 
-So once the template has had nothing to do for a moment (no import asked for, no rank to fork,
-no waiting child to replace, and nothing from the kernel or a rank for
+So once the template has had nothing to do for a moment (no import asked for, no rank to fork, no
+waiting child to replace, and nothing from the kernel or a rank for
 :data:`QUIET_BEFORE_COLLAPSE_S`), it asks the kernel to collapse its written private memory into
 transparent huge pages (``MADV_COLLAPSE``, Linux 6.1+: synchronous, and independent of the
-system's THP settings, it fails only where the process or a mapping opted out), one 4 MiB piece per turn of its loop, so that a request
-waits for at most one piece (about 10 ms). A pass costs 0.2-0.4 s of CPU, once per template and
-again after it imported more; waiting for a quiet moment keeps that out of a burst of launches
-(a script's loop), which it would slow, while a notebook's pauses between cells leave plenty.
-A fork then copies one entry per 2 MiB, and a rank that writes a page gets a copy of that 4 KiB
-page only (the kernel splits the shared huge page's mapping in the writer), so a rank's memory
-grows no more than before. The children already waiting stay as they are; the next ones are
-forks of the collapsed memory.
+system's THP settings, it fails only where the process or a mapping opted out), one 4 MiB piece
+per turn of its loop, so that a request waits for at most one piece (about 10 ms). A pass costs
+0.2-0.4 s of CPU, once per template and again after it imported more; waiting for a quiet moment
+keeps that out of a burst of launches (a script's loop), which it would slow, while a notebook's
+pauses between cells leave plenty. A fork then copies one entry per 2 MiB, and a rank that writes
+a page gets a copy of that 4 KiB page only (the kernel splits the shared huge page's mapping in
+the writer), so a rank's memory grows no more than before. The children already waiting stay as
+they are; the next ones are forks of the collapsed memory.
 
 Only 2 MiB ranges that are nearly all in memory already (``mincore``: at least 7/8 of their
 pages) are collapsed: collapsing fills a range's missing pages with zeros, and a library's
