@@ -207,7 +207,9 @@ def serve(sock: socket.socket) -> None:
         # Not while imports wait for the last rank to end: they would let the new child go at
         # once (a fork wasted, 10-15 ms of this process on a machine whose ranks are still ending).
         refilling = idle and following.unsafe is None and standby.short()
-        collapsing = idle and not refilling and pages.due()
+        # Only while no rank runs: its CPU is the ranks' (a pass takes 0.2-0.4 s), and it matters
+        # only to the next fork.
+        collapsing = idle and not workers and not refilling and pages.due()
         if importing or refilling:
             timeout: float | None = 0
         elif collapsing:  # once nothing came for a while: launches back to back are left alone

@@ -18,7 +18,7 @@ left (``standby_ranks.py``), and as CPU the next launch competes with when launc
 back on few cores. There, a 2-rank launch took 72 ms on 4 KiB pages and 47 ms on 2 MiB pages,
 the whole machine spending 117 and 77 ms of CPU per launch.
 
-So once the template has had nothing to do for a moment (no import asked for, no rank to fork, no
+So once the template has had nothing to do for a moment (no rank running, no import asked for, no
 waiting child to replace, and nothing from the kernel or a rank for
 :data:`QUIET_BEFORE_COLLAPSE_S`), it asks the kernel to collapse its written private memory into
 transparent huge pages (``MADV_COLLAPSE``, Linux 6.1+: synchronous, and independent of the
@@ -36,6 +36,9 @@ pages) are collapsed: collapsing fills a range's missing pages with zeros, and a
 reserved-but-untouched buffer must not become resident. Where the kernel cannot do it (older than
 6.1, built without THP, ``PR_SET_THP_DISABLE``), the first pass collapses nothing and the
 template never tries again: forks work as before.
+
+``_libc`` is this process's C library (``madvise`` and ``mincore``, which Python's ``mmap``
+module offers only for a mapping of its own): a process has exactly one.
 
     >>> pages = HugePages()                 # due at once: the start-up's imports      # doctest: +SKIP
     >>> pages.memory_changed()              # after each import                        # doctest: +SKIP
