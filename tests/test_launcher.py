@@ -270,7 +270,9 @@ def test_a_sigterm_that_comes_in_the_middle_of_a_write_lets_the_write_finish_bef
         threading.Event().wait()  # the rank ends of the SIGTERM, after flushing
 
     with pytest.raises(RankCrashed, match="killed by SIGTERM"):
-        launch(write_then_wait_for_the_end, num_processes=1, cpu=True, quiet=True)
+        # timeout=: were the rank ever left alive (once in a fresh-clone run, never since), the
+        # test fails with the rank's stacks rather than hanging until pytest's timeout.
+        launch(write_then_wait_for_the_end, num_processes=1, cpu=True, quiet=True, timeout=120)
     after = last_result()
     assert after is not None
     assert after.output(0).endswith("the last line\n"), after.output(0)[-200:]
