@@ -70,7 +70,14 @@ def wait_for_the_end(data: bytes) -> int:
 # ── what the kernel process holds ───────────────────────────────────────────────────────────
 def open_fds() -> set[str]:
     # Garbage first: a kernel client an earlier test stopped closes its zmq sockets only when it is
-    # collected, which would change this process's fds in the middle of a test.
+    # collected, which would change this process's fds in the middle of a test. One whose channels
+    # still ran (an earlier file's, in this test worker) closed them in the middle of a test once
+    # (fresh-clone run, "Could not destroy zmq context"): its channels are stopped first.
+    from jupyter_client.client import KernelClient
+
+    for found in gc.get_objects():
+        if isinstance(found, KernelClient) and found.channels_running:
+            found.stop_channels()
     gc.collect()
     return set(os.listdir("/proc/self/fd"))
 
