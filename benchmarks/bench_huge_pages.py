@@ -78,17 +78,9 @@ def measure_forks(with_transformers: bool) -> dict[str, Any]:
 
 
 # ── 2. launches, in a child process per configuration ──────────────────────────────────────
-def allreduce_once() -> float:
-    import torch
-    import torch.distributed as dist
-
-    value = torch.ones(1)
-    dist.all_reduce(value)
-    return float(value)
-
-
 def measure_launches() -> dict[str, Any]:
     import psutil
+    from bench_launch import allreduce_once  # the launch benchmark's trivial function
 
     import accelnb
     from accelnb.kernel.helper import template
