@@ -7,17 +7,26 @@ file limit is also lowered for real, on a subprocess, with ``resource``.
 
 from __future__ import annotations
 
+import os
 import resource
+import shutil
 import subprocess
 import sys
 import time
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 import accelnb
 from accelnb import Check, DoctorReport
-from accelnb.kernel.doctor.checks import MachineFacts, ShmSpace, read_machine_facts, run_checks
+from accelnb.kernel.doctor.checks import (
+    RENDEZVOUS_LOOKUP_WAIT_S,
+    MachineFacts,
+    ShmSpace,
+    read_machine_facts,
+    run_checks,
+)
 from accelnb.kernel.doctor.gpu_health import GpuFacts, GpuHealth
 from tests.conftest import error_of, run_notebook, stream_text
 
@@ -29,7 +38,7 @@ def healthy() -> MachineFacts:
     """This machine's facts, with the parts a test varies set to a known good state."""
     return replace(read_machine_facts(), shm=ShmSpace(16 * 2**30, 16 * 2**30), open_files=(65536, 65536),
                    environ={}, torch_module=None, gpus=GpuFacts(driver=None, note="no NVIDIA driver"),
-                   loopback_error=None, free_port=40000)
+                   loopback_error=None, free_port=40000, rendezvous_lookup_s=0.002)
 
 
 def test_healthy_facts_are_all_ok(healthy: MachineFacts) -> None:
@@ -108,6 +117,42 @@ def test_gpu_problems_are_each_reported(healthy: MachineFacts) -> None:
 def test_unreachable_loopback_fails(healthy: MachineFacts) -> None:
     report = run_checks(replace(healthy, loopback_error="Connection refused"))
     assert report.worst == "fail" and "ip link set lo up" in report.by_name("loopback").fix
+
+
+def test_a_slow_name_lookup_of_the_rendezvous_address_warns_with_the_hosts_line(healthy: MachineFacts) -> None:
+    assert run_checks(healthy).by_name("name lookup").status == "ok"
+    check = run_checks(replace(healthy, rendezvous_lookup_s=1.2)).by_name("name lookup")
+    assert check.status == "warn" and "1.20 s" in check.detail and "once per rank" in check.detail
+    assert "::ffff:127.0.0.1 localhost-mapped' | sudo tee -a /etc/hosts" in check.fix
+    waited = run_checks(replace(healthy, rendezvous_lookup_s=RENDEZVOUS_LOOKUP_WAIT_S)).by_name("name lookup")
+    assert "more than 3 s" in waited.detail
+
+
+# Run in new network and mount namespaces: a name server on 127.0.0.1 that takes every query and
+# answers none, which the resolver waits 1 s for (resolv.conf's timeout:1, attempts:1).
+SILENT_NAME_SERVER = """
+import socket, subprocess, sys
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+subprocess.run(["mount", "--bind", sys.argv[1], "/etc/resolv.conf"], check=True)
+silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+silent.bind(("127.0.0.1", 53))
+from accelnb.kernel.doctor.checks import time_rendezvous_lookup
+print(time_rendezvous_lookup(wait_s=5.0))
+"""
+
+
+def test_a_name_server_that_never_answers_is_found_by_the_real_lookup(tmp_path: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1), for a network and mount namespace of its own")
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+    done = subprocess.run(["unshare", "--net", "--mount", sys.executable, "-c", SILENT_NAME_SERVER, str(resolv)],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    seconds = float(done.stdout.split()[-1])
+    assert 0.9 < seconds < 5.0, seconds  # the resolver's 1 s wait, then its failure
+    check = run_checks(replace(read_machine_facts(), rendezvous_lookup_s=seconds)).by_name("name lookup")
+    assert check.status == "warn" and "/etc/hosts" in check.fix
 
 
 def test_the_real_doctor_runs_quickly_and_finds_this_machine_fit(capsys: pytest.CaptureFixture[str]) -> None:

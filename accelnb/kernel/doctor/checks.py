@@ -23,6 +23,8 @@ import os
 import resource
 import socket
 import sys
+import threading
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +40,13 @@ SHM_MIN_TOTAL = 1 * GiB  # NCCL's shared-memory transport and DataLoader workers
 SHM_MIN_FREE = GiB // 2
 OPEN_FILES_MIN = 4096  # every rank holds sockets to every other, plus pipes, plus DataLoader fds
 OTHER_LAUNCHERS_PORT = 29500  # torchrun's and Accelerate's default MASTER_PORT
+# torch's TCPStore client (every rank's, under torchrun too) connects to 127.0.0.1 as the IPv6
+# address ::ffff:127.0.0.1 and asks for that address's name first (c10d formats each socket's peer
+# with getnameinfo). /etc/hosts rarely lists it, so the question goes to the name server: about
+# 1-3 ms here, seconds per rank where the name server drops queries.
+MAPPED_LOOPBACK = "::ffff:127.0.0.1"
+RENDEZVOUS_LOOKUP_SLOW_S = 0.1
+RENDEZVOUS_LOOKUP_WAIT_S = 3.0  # the doctor's own wait; the lookup may go on, in a daemon thread
 
 # Variables that change how NCCL/CUDA behave and are often left over from an old workaround.
 RISKY_VARIABLES = {
@@ -72,6 +81,9 @@ class MachineFacts:
     free_port: int | None  # one the OS handed out on 127.0.0.1, None when none could be bound
     other_launchers_port_free: bool
     helper_pid: int | None
+    # Seconds one lookup of MAPPED_LOOPBACK's name took (capped at the wait); None: not timed
+    # (the per-launch preflight does not: it would cost every launch the lookup).
+    rendezvous_lookup_s: float | None = None
 
 
 def doctor(*, gpus: Sequence[int] | None = None, show: bool = True) -> DoctorReport:
@@ -204,12 +216,28 @@ def check_network(facts: MachineFacts) -> list[Check]:
                             "free some ports (`ss -tlnp` lists them) or widen net.ipv4.ip_local_port_range"))
     else:
         checks.append(Check("free ports", "ok", f"e.g. {facts.free_port} (accelnb picks one per launch)"))
+    checks.extend(_rendezvous_lookup_checks(facts.rendezvous_lookup_s))
     if not facts.other_launchers_port_free:
         checks.append(Check(f"port {OTHER_LAUNCHERS_PORT}", "ok",
                             "taken: fine for accelnb, but torchrun and Accelerate default to it and would "
                             "fail with 'Address already in use'",
                             "for those tools only: pass --master_port / main_process_port"))
     return checks
+
+
+def _rendezvous_lookup_checks(seconds: float | None) -> list[Check]:
+    if seconds is None:
+        return []
+    if seconds < RENDEZVOUS_LOOKUP_SLOW_S:
+        return [Check("name lookup", "ok", f"{MAPPED_LOOPBACK}'s name in {seconds * 1e3:.1f} ms "
+                      "(each rank asks once as it joins)")]
+    took = f"more than {seconds:.0f} s" if seconds >= RENDEZVOUS_LOOKUP_WAIT_S else f"{seconds:.2f} s"
+    return [Check("name lookup", "warn",
+                  f"looking up the name of {MAPPED_LOOPBACK} took {took}: torch's rendezvous store (under "
+                  "accelnb, torchrun or Accelerate alike) does this once per rank before it joins, so every "
+                  "launch waits that long with nothing printed",
+                  f"list the address in /etc/hosts: `echo '{MAPPED_LOOPBACK} localhost-mapped' | sudo tee -a "
+                  "/etc/hosts` (or fix the name server in /etc/resolv.conf)")]
 
 
 def check_versions(facts: MachineFacts) -> list[Check]:
@@ -260,6 +288,7 @@ def read_machine_facts(gpus: Sequence[int] | None = None) -> MachineFacts:
         free_port=free_port,
         other_launchers_port_free=_port_free(OTHER_LAUNCHERS_PORT),
         helper_pid=running_helper_pid(),
+        rendezvous_lookup_s=time_rendezvous_lookup(),
     )
 
 
@@ -301,6 +330,26 @@ def probe_loopback() -> tuple[str | None, int | None]:
         return None, port
     except OSError as error:
         return str(error), None
+
+
+def time_rendezvous_lookup(wait_s: float = RENDEZVOUS_LOOKUP_WAIT_S) -> float:
+    """Seconds the lookup of :data:`MAPPED_LOOPBACK`'s name takes, as torch's store makes it;
+    ``wait_s`` when it has not finished by then (it goes on in a daemon thread: getnameinfo cannot
+    be cancelled, and the resolver gives up on its own)."""
+    done = threading.Event()
+
+    def look_up() -> None:
+        try:
+            socket.getnameinfo((MAPPED_LOOPBACK, 0), 0)
+        except OSError:
+            pass  # an unanswered query fails after the wait this measures
+        done.set()
+
+    start = time.monotonic()
+    threading.Thread(target=look_up, name="accelnb-doctor-lookup", daemon=True).start()
+    if not done.wait(wait_s):
+        return wait_s
+    return time.monotonic() - start
 
 
 def _port_free(port: int) -> bool:
