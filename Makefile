@@ -53,6 +53,8 @@ bench: setup
 	$(PY) benchmarks/bench_features.py --write  # what each piece of the rank body costs a launch, a call, a step
 	$(PY) benchmarks/bench_step_cost.py --write  # a rank's own work per training step, and the same loop against torchrun
 	$(PY) benchmarks/bench_sweep.py --write  # accelnb.sweep: four configs on two slots, against a loop of launches and subprocesses
+	$(PY) benchmarks/bench_huge_pages.py --write  # the template's memory on 2 MiB pages: a fork, an exit, a launch
+	$(PY) benchmarks/bench_background_import.py --write  # launches while the template imports what training touches
 	$(PY) -m pip install -q "ray[train]>=2.40"  # benchmark-only peer of cluster="ray": Ray Train's TorchTrainer
 	$(PY) benchmarks/bench_ray.py  # needs root for network namespaces; says why when it skips
 

@@ -20,17 +20,16 @@ A benchmark, not a test: nothing is asserted. ``--write`` replaces this script's
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
-from results_file import replace_section, run_header  # benchmarks/ is on sys.path as the script's folder
+from child_runs import child_result, parse_rounds  # benchmarks/ is on sys.path as the script's folder
+from results_file import publish, run_header
 
 HEADING = "## The template on 2 MiB pages: a fork, an exit, a launch (issue 35)"
 FORKS = 20
@@ -126,31 +125,22 @@ def anonymous_mib(pid: int) -> tuple[float, float]:
     return found["Anonymous"] / 1024, found["AnonHugePages"] / 1024
 
 
-def in_child(what: str, env: dict[str, str] | None = None) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, __file__, "--child", what], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, check=True)
-    return json.loads(done.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-
 # ── the tables ──────────────────────────────────────────────────────────────────────────────
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--write", action="store_true")
-    parser.add_argument("--child", help=argparse.SUPPRESS)
-    opts = parser.parse_args()
+    opts = parse_rounds(__doc__)
     if opts.child:
         result = (measure_launches() if opts.child == "launches"
                   else measure_forks(with_transformers=opts.child == "forks-transformers"))
         print(json.dumps(result))
         return
     load, started = os.getloadavg(), time.monotonic()
-    forks = {"torch": in_child("forks-torch"), "torch and transformers": in_child("forks-transformers")}
+    forks = {"torch": child_result(__file__, "forks-torch"),
+             "torch and transformers": child_result(__file__, "forks-transformers")}
     runs: dict[str, list[dict[str, Any]]] = {"4 KiB pages": [], "2 MiB pages": []}
     for _ in range(opts.rounds):
         for name in runs:
             switch = "1" if name.startswith("4") else "0"
-            runs[name].append(in_child("launches", {"ACCELNB_BENCH_HUGE_PAGES_OFF": switch}))
+            runs[name].append(child_result(__file__, "launches", {"ACCELNB_BENCH_HUGE_PAGES_OFF": switch}))
     lines = run_header(HEADING, "2 CPU ranks, gloo", load, time.monotonic() - started,
                        f"python benchmarks/bench_huge_pages.py --rounds {opts.rounds}")
     lines += ["", "### 1. Fork, then the child's exit (ms, medians of 20)", "",
@@ -174,10 +164,7 @@ def main() -> None:
         huge = statistics.median(run["template_huge_mib"] for run in found_runs)
         lines.append(f"| {name} | {statistics.median(b2b):.1f} | {min(b2b):.1f} | {statistics.median(apart):.1f} | "
                      f"{min(apart):.1f} | {cpu:.0f} | {anon:.0f} ({huge:.0f}) |")
-    text = "\n".join(lines) + "\n"
-    print(text)
-    if opts.write:
-        replace_section(HEADING, text)
+    publish(HEADING, lines, opts.write)
 
 
 if __name__ == "__main__":

@@ -52,3 +52,11 @@ def run_header(heading: str, setting: str, load_before: tuple[float, float, floa
         f"- load average (1/5/15 min) at start {load(load_before)}, at end {load(os.getloadavg())}; "
         f"whole run {seconds:.0f} s (`{command}`)",
     ]
+
+
+def publish(heading: str, lines: list[str], write: bool) -> None:
+    """Print a section's lines; with ``write``, also put them in place of its section of RESULTS.md."""
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if write:
+        replace_section(heading, text)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import subprocess
 import sys
 import textwrap
 import threading
@@ -26,6 +27,7 @@ import pytest
 import accelnb
 from accelnb.kernel.helper import template
 from accelnb.kernel.helper.template import running_helper_pid, shared_helper
+from accelnb.wire.template import TORCH_DYNAMO_IN_TURNS, TRAINING_PREIMPORTS
 from tests.conftest import is_standby
 
 pytestmark = pytest.mark.usefixtures("no_leftovers", "following")
@@ -274,6 +276,39 @@ def test_prewarm_waits_until_what_training_touches_is_imported(monkeypatch: pyte
     accelnb.prewarm(wait=True)
     found = run_ranks(what_the_rank_found, ["torch._dynamo", "accelerate"])
     assert [v["loaded"] for v in found.values()] == [{"torch._dynamo": True, "accelerate": True}] * 2
+
+
+def test_torch_dynamo_comes_in_turns_that_each_import_only_what_it_imports_anyway() -> None:
+    # Each turn must import cleanly in this order (a module imported out of its natural order can
+    # meet a circular import: torch._functorch._aot_autograd.runtime_wrappers does), be new when
+    # it comes (not imported by torch or an earlier turn), and be imported by torch._dynamo
+    # anyway: else the list no longer matches the installed torch.
+    probe = textwrap.dedent(f"""
+        import importlib, sys
+        import torch, torch.distributed
+        import accelnb.worker.template.helper  # what a template has imported before it follows any
+        from accelnb.worker.template.imports import install_rank_hooks
+        install_rank_hooks()
+        turns = {list(TORCH_DYNAMO_IN_TURNS)!r}
+        already = [name for name in turns if name in sys.modules]
+        for name in turns:
+            assert name not in sys.modules, (name, "already imported by an earlier turn")
+            importlib.import_module(name)
+        print("already:", already)
+        """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == "already: []"
+    dynamo_alone = textwrap.dedent(f"""
+        import sys
+        import torch, torch.distributed
+        import torch._dynamo
+        print([name for name in {list(TORCH_DYNAMO_IN_TURNS)!r} if name not in sys.modules])
+        """)
+    alone = subprocess.run([sys.executable, "-c", dynamo_alone], capture_output=True, text=True, timeout=240)
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert alone.stdout.strip() == "[]", "torch._dynamo no longer imports these: take them out of the turns"
+    assert TORCH_DYNAMO_IN_TURNS[-1] == "torch._dynamo" and set(TORCH_DYNAMO_IN_TURNS) <= set(TRAINING_PREIMPORTS)
 
 
 def test_a_bare_template_leaves_the_kernels_modules_to_the_ranks(project: Path,
