@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import resource
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -132,3 +133,35 @@ def test_in_a_real_kernel_a_held_gpu_warns_once_and_a_failure_is_a_usage_error()
         assert "fail loopback" in said and "ip link set lo up" in said
         assert error_of(outputs[name]) is None and "ran" not in stream_text(outputs[name])
     assert stream_text(outputs["pids"]).strip() == "[]"
+
+
+# In new network and mount namespaces: a name server on 127.0.0.1 that takes every query and answers
+# none (resolv.conf's timeout:1, attempts:1: each rank's store connection waits 1 s for it).
+LAUNCHES_WITH_A_SILENT_NAME_SERVER = """
+import socket, subprocess, sys, time
+subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
+subprocess.run(["mount", "--bind", sys.argv[1], "/etc/resolv.conf"], check=True)
+silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+silent.bind(("127.0.0.1", 53))
+import os
+import accelnb
+for _ in range(2):
+    started = time.monotonic()
+    ranks = accelnb.launch(os.getpid, num_processes=2, cpu=True, quiet=True).values
+    print(f"launched {len(ranks)} ranks in {time.monotonic() - started:.2f} s", flush=True)
+"""
+
+
+def test_the_first_launch_names_a_name_server_that_never_answers_and_its_fix(tmp_path: Path) -> None:
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare(1), for a network and mount namespace of its own")
+    resolv = tmp_path / "resolv.conf"
+    resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
+    done = subprocess.run(["unshare", "--net", "--mount", sys.executable, "-c", LAUNCHES_WITH_A_SILENT_NAME_SERVER,
+                           str(resolv)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    launched = [line for line in done.stdout.splitlines() if line.startswith("launched 2 ranks")]
+    assert len(launched) == 2, done.stdout
+    assert all(float(line.split()[-2]) > 0.9 for line in launched), launched  # each rank waited the resolver
+    assert done.stderr.count("accelnb doctor: warn name lookup: looking up the name of ::ffff:127.0.0.1") == 1
+    assert "echo '::ffff:127.0.0.1 localhost-mapped' | sudo tee -a /etc/hosts" in done.stderr

@@ -19,6 +19,7 @@ or imports torch; without a GPU it all takes a few milliseconds.
 from __future__ import annotations
 
 import importlib.metadata
+import math
 import os
 import resource
 import socket
@@ -81,8 +82,8 @@ class MachineFacts:
     free_port: int | None  # one the OS handed out on 127.0.0.1, None when none could be bound
     other_launchers_port_free: bool
     helper_pid: int | None
-    # Seconds one lookup of MAPPED_LOOPBACK's name took (capped at the wait); None: not timed
-    # (the per-launch preflight does not: it would cost every launch the lookup).
+    # Seconds one lookup of MAPPED_LOOPBACK's name took, math.inf when it had no answer within the
+    # wait; None: not timed (the preflight times it at a process's first launch only).
     rendezvous_lookup_s: float | None = None
 
 
@@ -231,11 +232,12 @@ def _rendezvous_lookup_checks(seconds: float | None) -> list[Check]:
     if seconds < RENDEZVOUS_LOOKUP_SLOW_S:
         return [Check("name lookup", "ok", f"{MAPPED_LOOPBACK}'s name in {seconds * 1e3:.1f} ms "
                       "(each rank asks once as it joins)")]
-    took = f"more than {seconds:.0f} s" if seconds >= RENDEZVOUS_LOOKUP_WAIT_S else f"{seconds:.2f} s"
+    took = "had no answer while accelnb waited" if math.isinf(seconds) else f"took {seconds:.2f} s"
     return [Check("name lookup", "warn",
-                  f"looking up the name of {MAPPED_LOOPBACK} took {took}: torch's rendezvous store (under "
+                  f"looking up the name of {MAPPED_LOOPBACK} {took}: torch's rendezvous store (under "
                   "accelnb, torchrun or Accelerate alike) does this once per rank before it joins, so every "
-                  "launch waits that long with nothing printed",
+                  "launch waits as long (torch says why only when the lookup fails: 'The hostname of the "
+                  "client socket cannot be retrieved')",
                   f"list the address in /etc/hosts: `echo '{MAPPED_LOOPBACK} localhost-mapped' | sudo tee -a "
                   "/etc/hosts` (or fix the name server in /etc/resolv.conf)")]
 
@@ -334,8 +336,8 @@ def probe_loopback() -> tuple[str | None, int | None]:
 
 def time_rendezvous_lookup(wait_s: float = RENDEZVOUS_LOOKUP_WAIT_S) -> float:
     """Seconds the lookup of :data:`MAPPED_LOOPBACK`'s name takes, as torch's store makes it;
-    ``wait_s`` when it has not finished by then (it goes on in a daemon thread: getnameinfo cannot
-    be cancelled, and the resolver gives up on its own)."""
+    ``math.inf`` when it has not finished within ``wait_s`` (it goes on in a daemon thread:
+    getnameinfo cannot be cancelled, and the resolver gives up on its own)."""
     done = threading.Event()
 
     def look_up() -> None:
@@ -348,7 +350,7 @@ def time_rendezvous_lookup(wait_s: float = RENDEZVOUS_LOOKUP_WAIT_S) -> float:
     start = time.monotonic()
     threading.Thread(target=look_up, name="accelnb-doctor-lookup", daemon=True).start()
     if not done.wait(wait_s):
-        return wait_s
+        return math.inf
     return time.monotonic() - start
 
 

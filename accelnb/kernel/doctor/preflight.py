@@ -19,8 +19,14 @@ call of its own (MIG, ECC and peer-to-peer are ``doctor()``'s, which reads NVML)
 scan. Tests install other facts with :func:`set_facts_source` (a small ``/dev/shm``, a loopback
 that refuses), as they install a GPU inventory.
 
+The name lookup that torch's rendezvous store makes in every rank (``checks.MAPPED_LOOPBACK``) is
+timed at the first launch of a process only, waiting at most ``FIRST_LAUNCH_LOOKUP_WAIT_S``: 1-3 ms
+where a name server answers, and where none does, every launch of any launcher would wait the
+resolver's timeout in each rank, with torch's one-line warning as the only clue.
+
 Module-level state, one per kernel: ``_injected_source``, the facts a test installed (one
-machine's facts per process), and ``_warned``, the warnings already shown (each once per kernel).
+machine's facts per process), ``_warned``, the warnings already shown (each once per kernel), and
+``_lookup_timed``, whether this process timed the name lookup already.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from accelnb.kernel.doctor.checks import (
     probe_loopback,
     read_shm,
     resource_limit,
+    time_rendezvous_lookup,
 )
 from accelnb.kernel.doctor.gpu_health import GpuFacts, GpuHealth
 from accelnb.kernel.doctor.report import Check, DoctorReport
@@ -53,6 +60,8 @@ FactsSource = Callable[[LaunchPlan], MachineFacts]
 
 _injected_source: FactsSource | None = None
 _warned: set[tuple[str, str]] = set()  # (check, what it saw): shown once per kernel
+_lookup_timed = False
+FIRST_LAUNCH_LOOKUP_WAIT_S = 0.5
 
 
 def preflight(plan: LaunchPlan) -> DoctorReport:
@@ -81,12 +90,16 @@ def preflight(plan: LaunchPlan) -> DoctorReport:
 
 def read_launch_facts(plan: LaunchPlan) -> MachineFacts:
     """The facts :data:`LAUNCH_CHECKS` judge, read cheaply; the GPUs are the plan's."""
+    global _lookup_timed
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     loopback_error, free_port = probe_loopback()
+    lookup_s = None if _lookup_timed else time_rendezvous_lookup(FIRST_LAUNCH_LOOKUP_WAIT_S)
+    _lookup_timed = True
     return MachineFacts(
         shm=read_shm(), open_files=(resource_limit(soft), resource_limit(hard)), environ=dict(os.environ),
         torch_module=None, gpus=gpu_facts_of(plan), own_pids=own_pids(), versions={},
-        loopback_error=loopback_error, free_port=free_port, other_launchers_port_free=True, helper_pid=None)
+        loopback_error=loopback_error, free_port=free_port, other_launchers_port_free=True, helper_pid=None,
+        rendezvous_lookup_s=lookup_s)
 
 
 def gpu_facts_of(plan: LaunchPlan) -> GpuFacts:
