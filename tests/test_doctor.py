@@ -8,9 +8,7 @@ file limit is also lowered for real, on a subprocess, with ``resource``.
 from __future__ import annotations
 
 import math
-import os
 import resource
-import shutil
 import subprocess
 import sys
 import time
@@ -29,6 +27,7 @@ from accelnb.kernel.doctor.checks import (
 )
 from accelnb.kernel.doctor.gpu_health import GpuFacts, GpuHealth
 from tests.conftest import error_of, run_notebook, stream_text
+from tests.silent_name_server import run_beside_a_silent_name_server
 
 MB = 2**20
 
@@ -128,26 +127,9 @@ def test_a_slow_name_lookup_of_the_rendezvous_address_warns_with_the_hosts_line(
     assert unanswered.status == "warn" and "had no answer while accelnb waited" in unanswered.detail
 
 
-# Run in new network and mount namespaces: a name server on 127.0.0.1 that takes every query and
-# answers none, which the resolver waits 1 s for (resolv.conf's timeout:1, attempts:1).
-SILENT_NAME_SERVER = """
-import socket, subprocess, sys
-subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-subprocess.run(["mount", "--bind", sys.argv[1], "/etc/resolv.conf"], check=True)
-silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-silent.bind(("127.0.0.1", 53))
-from accelnb.kernel.doctor.checks import time_rendezvous_lookup
-print(time_rendezvous_lookup(wait_s=5.0))
-"""
-
-
 def test_a_name_server_that_never_answers_is_found_by_the_real_lookup(tmp_path: Path) -> None:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1), for a network and mount namespace of its own")
-    resolv = tmp_path / "resolv.conf"
-    resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-    done = subprocess.run(["unshare", "--net", "--mount", sys.executable, "-c", SILENT_NAME_SERVER, str(resolv)],
-                          capture_output=True, text=True, timeout=60)
+    done = run_beside_a_silent_name_server("from accelnb.kernel.doctor.checks import time_rendezvous_lookup\n"
+                                           "print(time_rendezvous_lookup(wait_s=5.0))\n", tmp_path, timeout=60)
     assert done.returncode == 0, done.stderr
     seconds = float(done.stdout.split()[-1])
     assert 0.9 < seconds < 5.0, seconds  # the resolver's 1 s wait, then its failure

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import resource
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -23,6 +22,7 @@ from accelnb import LaunchConfigError, Session, launch
 from accelnb.kernel.doctor.checks import MachineFacts, ShmSpace
 from accelnb.kernel.doctor.preflight import forget_warnings, read_launch_facts, set_facts_source
 from tests.conftest import error_of, run_named_cells, stream_text, worker_processes
+from tests.silent_name_server import run_beside_a_silent_name_server
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 MB = 2**20
@@ -135,15 +135,9 @@ def test_in_a_real_kernel_a_held_gpu_warns_once_and_a_failure_is_a_usage_error()
     assert stream_text(outputs["pids"]).strip() == "[]"
 
 
-# In new network and mount namespaces: a name server on 127.0.0.1 that takes every query and answers
-# none (resolv.conf's timeout:1, attempts:1: each rank's store connection waits 1 s for it).
-LAUNCHES_WITH_A_SILENT_NAME_SERVER = """
-import socket, subprocess, sys, time
-subprocess.run(["ip", "link", "set", "lo", "up"], check=True)
-subprocess.run(["mount", "--bind", sys.argv[1], "/etc/resolv.conf"], check=True)
-silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-silent.bind(("127.0.0.1", 53))
-import os
+# Each rank's store connection waits the silent name server's 1 s.
+TWO_LAUNCHES = """
+import os, time
 import accelnb
 for _ in range(2):
     started = time.monotonic()
@@ -153,12 +147,7 @@ for _ in range(2):
 
 
 def test_the_first_launch_names_a_name_server_that_never_answers_and_its_fix(tmp_path: Path) -> None:
-    if os.geteuid() != 0 or shutil.which("unshare") is None:
-        pytest.skip("needs root and unshare(1), for a network and mount namespace of its own")
-    resolv = tmp_path / "resolv.conf"
-    resolv.write_text("nameserver 127.0.0.1\noptions timeout:1 attempts:1\n")
-    done = subprocess.run(["unshare", "--net", "--mount", sys.executable, "-c", LAUNCHES_WITH_A_SILENT_NAME_SERVER,
-                           str(resolv)], capture_output=True, text=True, timeout=240, cwd=ROOT)
+    done = run_beside_a_silent_name_server(TWO_LAUNCHES, tmp_path)
     assert done.returncode == 0, done.stderr[-4000:]
     launched = [line for line in done.stdout.splitlines() if line.startswith("launched 2 ranks")]
     assert len(launched) == 2, done.stdout
