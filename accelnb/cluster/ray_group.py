@@ -15,7 +15,9 @@ Endings, which leave no actor behind and, once the group closes, no placement gr
 
 - every rank answered: a one-shot launch's actors are killed by :meth:`shutdown`;
 - a rank raised, or its actor died (killed, its node lost: the failure names the node): every
-  other actor is killed, since Ray would leave them blocked in the collective;
+  other actor is killed, since Ray would leave them blocked in the collective. Where the only
+  failure is a peer's echo ("Connection reset by peer"), the kill waits a little for the death that
+  caused it, and an actor found dead by itself only after the kill is still that crash;
 - ``timeout=``: every rank's stack is read (:meth:`RankActor.stacks`), then all are killed;
 - an interrupt: a session first interrupts the call on every rank and keeps the actors if all
   answer within a grace period; otherwise, and always for a one-shot launch, all are killed.
@@ -46,7 +48,7 @@ from accelnb.kernel.display.output import OutputRouter, notebook_sink
 from accelnb.kernel.planning.rank_plan import LaunchPlan
 from accelnb.kernel.run import run_state
 from accelnb.kernel.run.call_outcome import CallOutcome, Ending, StopSource
-from accelnb.kernel.run.failure_report import actor_lost_failure
+from accelnb.kernel.run.failure_report import actor_lost_failure, is_peer_loss
 from accelnb.kernel.run.group.call_answers import CallAnswers, MetricSink, record_event
 from accelnb.kernel.run.group.call_protocol import CallProtocol, CallRanks, StopWhy
 from accelnb.kernel.run.group.prompt_answers import PromptAnswers
@@ -61,6 +63,11 @@ POLL_WAIT_S = 0.2  # how long an actor holds an events poll open when it has not
 WAIT_SLICE_S = 0.05
 INTERRUPT_GRACE_S = 5.0  # sessions: how long the ranks get to stop the call (two Ray round trips under load)
 LAST_WORDS_S = 0.2  # before killing: what the ranks printed last still reaches the cell
+# Before killing, when every failure so far is a peer's echo ("Connection reset by peer"): how long
+# to wait for the death that caused it. The driver learns of an actor's death later than its peers
+# do (through the GCS), often after their exception.
+PEER_DEATH_WAIT_S = 3.0
+KILLED_BY_US = "killed by `ray.kill`"  # Ray's death cause for an actor that ray.kill ended
 KILL_WAIT_S = 10.0  # after ray.kill: how long until every actor is known dead
 STACKS_WAIT_S = 2.0
 PLACEMENT_REMOVAL_WAIT_S = 5.0
@@ -207,10 +214,11 @@ class RayRankGroup:
         if not self._alive[rank]:
             return
         self._alive[rank] = False
-        if rank in self._killed or answers.has_failed(rank):
-            return
+        why = _why_actor_died(error)
+        if answers.has_failed(rank) or (rank in self._killed and KILLED_BY_US in why):
+            return  # it failed already, or our kill ended it; an actor dead before the kill still counts
         placed = self._placed[rank]
-        failure = actor_lost_failure(rank, placed.pid, placed.address, _why_actor_died(error), self.output.tail(rank))
+        failure = actor_lost_failure(rank, placed.pid, placed.address, why, self.output.tail(rank))
         answers.failures.append(failure)
         self._phases.set(rank, "failed", failure.summary)
 
@@ -219,27 +227,39 @@ class RayRankGroup:
         """Kill every live actor, after reading what they printed last unless ``why`` is
         "at_once" (interrupted while stopping); the ranks stopped. Ray has no gentler stop, so
         every other reason is the same."""
-        stopped = [rank for rank, alive in enumerate(self._alive) if alive and not answers.has_failed(rank)]
-        self._kill_all(answers, last_words=why != "at_once")
-        return stopped
+        echoes_only = why == "failed" and bool(answers.failures) and all(map(is_peer_loss, answers.failures))
+        return self._kill_all(answers, last_words_s=0.0 if why == "at_once" else LAST_WORDS_S,
+                              wait_for_cause=echoes_only)
 
-    def _kill_all(self, answers: CallAnswers, *, last_words: bool) -> None:
-        scratch = CallAnswers(None)
-        if last_words:
-            deadline = time.monotonic() + LAST_WORDS_S
-            while time.monotonic() < deadline and any(self._alive):
-                self._pump(0.02, scratch)
+    def _kill_all(self, answers: CallAnswers, *, last_words_s: float, wait_for_cause: bool = False) -> list[int]:
+        """Kill every live actor after ``last_words_s`` of reading what they send (and, with
+        ``wait_for_cause``, until a failure that is no peer's echo arrives, up to
+        :data:`PEER_DEATH_WAIT_S`); the ranks killed that had not failed.
+
+        The failures seen meanwhile are kept: an actor that died by itself before the kill, even
+        where the driver learns of it only after, is a crash, and may be the root cause."""
+        seen = CallAnswers(None)
+        started = time.monotonic()
+        while any(self._alive):
+            waited = time.monotonic() - started
+            cause_pending = wait_for_cause and not any(not is_peer_loss(f) for f in seen.failures)
+            if waited >= max(last_words_s, PEER_DEATH_WAIT_S if cause_pending else 0.0):
+                break
+            self._pump(0.02, seen)
+        killed = []
         for rank, actor in enumerate(self._actors):
             if self._alive[rank]:
                 self._killed.add(rank)
+                killed.append(rank)
                 self._ray.kill(actor, no_restart=True)
                 if self._phases.phase(rank) not in ("done", "failed"):
                     self._phases.set(rank, "stopped")
         # An actor is gone once its pending calls fail; every live one has an events poll pending.
         deadline = time.monotonic() + KILL_WAIT_S
         while any(self._alive) and time.monotonic() < deadline:
-            self._pump(WAIT_SLICE_S, scratch)
-        answers.keep_failures(scratch, lambda failure: failure.kind == "exception")  # a killed actor is no crash
+            self._pump(WAIT_SLICE_S, seen)
+        answers.keep_failures(seen, lambda failure: True)  # _on_actor_lost records no death of ours
+        return [rank for rank in killed if not answers.has_failed(rank)]
 
     # ── live stacks ─────────────────────────────────────────────────────────────────────────
     def collect_stacks(self, wait: float = STACKS_WAIT_S) -> dict[int, str]:
@@ -267,7 +287,7 @@ class RayRankGroup:
             if self.closed:
                 return
             try:
-                self._kill_all(CallAnswers(None), last_words=False)
+                self._kill_all(CallAnswers(None), last_words_s=0.0)
             finally:
                 self.closed = True
                 self._remove_placement_group()

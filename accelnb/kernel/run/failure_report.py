@@ -194,14 +194,16 @@ def _root_cause_first(failures: Sequence[RankFailure]) -> list[RankFailure]:
     # A peer that lost its partner mid-collective often reports before the partner's death is
     # reaped; such echoes never count as the root cause while another rank crashed.
     crashed = any(f.kind in ("signal", "exit") for f in failures)
-    return sorted(failures, key=lambda f: (crashed and _is_peer_loss(f), f.timestamp))
+    return sorted(failures, key=lambda f: (crashed and is_peer_loss(f), f.timestamp))
 
 
 _PEER_LOSS = ("Connection closed by peer", "Connection reset by peer", "Read error",
               "remote process exited", "Socket closed", "Broken pipe")
 
 
-def _is_peer_loss(failure: RankFailure) -> bool:
+def is_peer_loss(failure: RankFailure) -> bool:
+    """Whether ``failure`` reads as the echo of a peer that vanished mid-collective (gloo's and
+    NCCL's wording): its root cause is probably another rank's death, reported later."""
     return failure.kind == "exception" and any(marker in failure.summary + failure.traceback
                                                for marker in _PEER_LOSS)
 
