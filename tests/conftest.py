@@ -21,6 +21,7 @@ import pytest
 from accelnb.kernel.helper.client import HELPER_MODULE
 from accelnb.kernel.helper.template import departed_crashes, running_helper_pid, wait_for_departed_ranks
 from accelnb.worker.template.standby_ranks import STANDBY_NAME
+from tests.zmq_contexts import end_abandoned_contexts_off_the_collector
 
 if TYPE_CHECKING:
     from jupyter_client.blocking.client import BlockingKernelClient
@@ -54,6 +55,7 @@ RESOLVED_PACKAGES = ("torch", "cloudpickle", "ipykernel", "ipython", "jupyter_cl
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
+    end_abandoned_contexts_off_the_collector()  # in each test process, never in a rank importing this
     versions = []
     for name in RESOLVED_PACKAGES:
         try:

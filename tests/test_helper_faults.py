@@ -35,6 +35,7 @@ from accelnb.kernel.run.engine import run_on_group, start_workers
 from accelnb.kernel.run.failure_report import build_exception, exit_failure
 from accelnb.wire.buffers import Packed
 from tests.conftest import wait_until_no_workers, worker_processes
+from tests.zmq_contexts import collect_garbage
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
@@ -78,7 +79,7 @@ def open_fds() -> set[str]:
     for found in gc.get_objects():
         if isinstance(found, KernelClient) and found.channels_running:
             found.stop_channels()
-    gc.collect()
+    collect_garbage()
     return set(os.listdir("/proc/self/fd"))
 
 

@@ -9,7 +9,6 @@ pid and by this process's open fds.
 
 from __future__ import annotations
 
-import gc
 import os
 import re
 import signal
@@ -25,6 +24,7 @@ from accelnb.errors import RankFailed
 from accelnb.kernel.helper.payload import BIG_PICKLE_BYTES, pack_call
 from accelnb.kernel.helper.template import running_helper_pid
 from tests.conftest import InterruptWhenRunning, live_descendants, result_of, run_notebook, start_repo_kernel
+from tests.zmq_contexts import collect_garbage
 
 BIG = 256 << 20  # bytes
 MIB = 1 << 20
@@ -91,7 +91,7 @@ def running(process: psutil.Process) -> bool:
 
 
 def open_fds() -> set[str]:
-    gc.collect()  # a kernel client an earlier test stopped closes its zmq sockets only when collected
+    collect_garbage()
     found = set()
     for fd in os.listdir("/proc/self/fd"):
         try:
