@@ -92,21 +92,19 @@ class _RankThreads:
     waiting child starts them while it waits (:func:`start_while_waiting`); the inbox reader is
     handed its socket, and the flusher starts flushing, once the rank is known."""
 
-    # From the inbox reader (and SIGTERM's wake-up) to the main loop. SimpleQueue, not Queue: its
-    # hand-over between threads is C code, 7 µs less per call here (Queue's is a Condition in Python).
-    commands: queue.SimpleQueue[Any]
+    commands: queue.Queue[Any]  # from the inbox reader (and SIGTERM's wake-up) to the main loop
     # Set once this rank said it departs: the kernel closing our inbox from then on is expected,
     # not the kernel's death (which ends the rank's whole process group).
     departing: threading.Event
     terminating: threading.Event  # SIGTERM came
-    inbox_fds: queue.SimpleQueue[int]  # the inbox reader's socket, once the rank has one
+    inbox_fds: queue.Queue[int]  # the inbox reader's socket, once the rank has one
     flushing: threading.Event  # the flusher flushes from then on: the rank's streams are installed
     flusher_stop: threading.Event
 
     @classmethod
     def start(cls) -> _RankThreads:
-        commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        departing, flushing, inbox_fds = threading.Event(), threading.Event(), queue.SimpleQueue[int]()
+        commands: queue.Queue[Any] = queue.Queue()
+        departing, flushing, inbox_fds = threading.Event(), threading.Event(), queue.Queue[int]()
         terminating = _flush_before_dying_of_sigterm(wake=lambda: commands.put(None))
         _start_inbox_reader(inbox_fds, commands, departing)
         flusher_stop = start_flusher(begin=flushing)
@@ -299,8 +297,7 @@ def _die_of_sigterm() -> None:
     signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
 
 
-def _start_inbox_reader(inbox_fds: queue.SimpleQueue[int], commands: queue.SimpleQueue[Any],
-                        departing: threading.Event) -> None:
+def _start_inbox_reader(inbox_fds: queue.Queue[int], commands: queue.Queue[Any], departing: threading.Event) -> None:
     """Commands arrive on a thread, so that end of file (the kernel died) ends us at once, unless
     we are ``departing``. The thread reads the inbox that ``inbox_fds`` brings it (once the rank
     has one)."""
