@@ -298,8 +298,11 @@ class WorkerGroup:
         for rank in [rank for rank in self._departing if self._channels.all_closed(rank)]:
             self._departing.discard(rank)
             process = self._processes.get(rank)
-            if process is not None and process.alive:
-                self._processes.note_departure(rank)
+            if process is None:
+                continue
+            reaped = not process.alive  # under load its exit can come before we read its last output
+            self._processes.note_departure(rank)
+            if not reaped:
                 self.helper.depart([process.pid])
 
     def _bury_workers_of_dead_helper(self, answers: CallAnswers) -> None:

@@ -121,9 +121,10 @@ class RankProcesses:
 
     def note_departure(self, rank: int) -> None:
         """The rank said it leaves nothing behind and closed its channels: it is as good as gone,
-        with exit code 0, while the OS frees its process."""
+        with exit code 0, while the OS frees its process. One whose exit 0 was reaped first
+        departed all the same (a failed exit stays a failure)."""
         process = self.get(rank)
-        if process is not None:
+        if process is not None and process.exit_code in (None, 0):
             process.exit_code, process.departed = 0, True
 
     def note_exit(self, rank: int, exit_code: int) -> None:
