@@ -242,7 +242,7 @@ class RayRankGroup:
         started = time.monotonic()
         while any(self._alive):
             waited = time.monotonic() - started
-            cause_pending = wait_for_cause and not any(not is_peer_loss(f) for f in seen.failures)
+            cause_pending = wait_for_cause and all(map(is_peer_loss, seen.failures))
             if waited >= max(last_words_s, PEER_DEATH_WAIT_S if cause_pending else 0.0):
                 break
             self._pump(0.02, seen)
@@ -258,7 +258,7 @@ class RayRankGroup:
         deadline = time.monotonic() + KILL_WAIT_S
         while any(self._alive) and time.monotonic() < deadline:
             self._pump(WAIT_SLICE_S, seen)
-        answers.keep_failures(seen, lambda failure: True)  # _on_actor_lost records no death of ours
+        answers.keep_failures(seen)  # every one: _on_actor_lost records no death of ours
         return [rank for rank in killed if not answers.has_failed(rank)]
 
     # ── live stacks ─────────────────────────────────────────────────────────────────────────

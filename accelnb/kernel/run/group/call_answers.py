@@ -66,10 +66,12 @@ class CallAnswers:
         """How many ranks the call runs on: how many answers end it."""
         return group_size if self.ranks is None else len(self.ranks)
 
-    def keep_failures(self, seen_while_stopping: CallAnswers, real: Callable[[RankFailure], bool]) -> None:
-        """Add the failures seen while ranks were being stopped that ``real`` accepts, one per rank
-        (a rank that failed already keeps its first failure: the root cause)."""
-        self.failures.extend(f for f in seen_while_stopping.failures if not self.has_failed(f.rank) and real(f))
+    def keep_failures(self, seen_while_stopping: CallAnswers,
+                      real: Callable[[RankFailure], bool] | None = None) -> None:
+        """Add the failures seen while ranks were being stopped (those ``real`` accepts, where it is
+        given), one per rank (a rank that failed already keeps its first failure: the root cause)."""
+        self.failures.extend(f for f in seen_while_stopping.failures
+                             if not self.has_failed(f.rank) and (real is None or real(f)))
 
     def outcome(self, ending: Ending, timeout: float | None, phase: CallPhase = "running",
                 stop_source: StopSource = "interrupt") -> CallOutcome:
