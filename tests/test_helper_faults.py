@@ -26,7 +26,7 @@ import pytest
 import accelnb
 from accelnb.errors import HelperDied, RankFailed, RunInterrupted
 from accelnb.kernel.helper.payload import pack_call
-from accelnb.kernel.helper.template import running_helper_pid, shared_helper, shutdown_helper
+from accelnb.kernel.helper.template import running_helper_pid, shared_helper, shutdown_helper, sockets_held_ahead
 from accelnb.kernel.planning import rank_plan
 from accelnb.kernel.planning.inventory import Inventory
 from accelnb.kernel.run import run_state
@@ -80,7 +80,7 @@ def open_fds() -> set[str]:
         if isinstance(found, KernelClient) and found.channels_running:
             found.stop_channels()
     collect_garbage()
-    return set(os.listdir("/proc/self/fd"))
+    return set(os.listdir("/proc/self/fd")) - {str(held.fileno()) for held in sockets_held_ahead()}
 
 
 def shared_memory_in_use() -> set[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib
 import os
 import signal
+import socket
 import sys
 import textwrap
 import time
@@ -60,8 +61,9 @@ def who_am_i(names: list[str]) -> dict[str, object]:
             "variable": os.environ.get("ACCELNB_TEST_STANDBY"), "loaded": {n: n in sys.modules for n in names}}
 
 
-def launch(*names: str) -> dict[int, dict[str, object]]:
-    result = accelnb.launch(who_am_i, (list(names),), num_processes=2, cpu=True, quiet=True, timeout=120)
+def launch(*names: str, **options: object) -> dict[int, dict[str, object]]:
+    result = accelnb.launch(who_am_i, (list(names),), num_processes=2, cpu=True, quiet=True, timeout=120,
+                            **options)  # type: ignore[arg-type]
     return result.values  # type: ignore[return-value]
 
 
@@ -111,13 +113,21 @@ def test_an_import_lets_the_waiting_children_go_so_a_rank_has_all_its_template_h
         assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
 def test_a_waiting_child_that_was_killed_is_replaced_by_a_fork_at_launch() -> None:
+    # On ports of the user's, so that the waiting children join no group ahead (test_group_ahead.py
+    # has a member's death): each is any rank's, and a launch takes what is left.
     shared_helper()
-    launch()
+    launch(master_port=free_port())
     victim, survivor = waiting_children(2)
     os.kill(victim.pid, signal.SIGKILL)  # the OOM killer's choice
     victim.wait(10)
-    found = launch()
+    found = launch(master_port=free_port())
     pids = {v["pid"] for v in found.values()}
     assert survivor.pid in pids and victim.pid not in pids and len(pids) == 2
 

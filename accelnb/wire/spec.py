@@ -13,6 +13,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+LOOPBACK = "127.0.0.1"  # the rendezvous address of ranks on the kernel's machine
+# Where a rank reads the timeout of the group accelnb makes for it (``group_timeout=``): set by the
+# planner (``kernel/planning/rank_environment.py``), read by ``worker/other_launchers/process_group.py``.
+GROUP_TIMEOUT_ENV = "ACCELNB_GROUP_TIMEOUT_S"
+
 
 @dataclass(frozen=True)
 class WorkerSpec:

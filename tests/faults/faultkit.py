@@ -172,6 +172,13 @@ def listening_on(port: int) -> list[Any]:
             if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
 
 
+def listens_of_its_own(helper_pid: int, kernel_pid: int) -> list[tuple[int, Any]]:
+    """The template's LISTEN sockets but the one it holds for its kernel's next launch: the
+    kernel bound that one, and holds it too (``wire/group_ahead.py``)."""
+    kernels = {conn.laddr.port for _, conn in listen_sockets([kernel_pid])}
+    return [(pid, conn) for pid, conn in listen_sockets([helper_pid]) if conn.laddr.port not in kernels]
+
+
 def listen_sockets(pids: Iterable[int]) -> list[tuple[int, Any]]:
     """(pid, connection) for every LISTEN inet socket of ``pids`` still alive."""
     found = []

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faultkit import RunWatcher, listen_sockets, listening_on, wait_for_report, wait_gone
+from faultkit import RunWatcher, listening_on, listens_of_its_own, wait_for_report, wait_gone
 from kernel_driver import NotebookKernel
 
 INTERRUPT_BOUND_S = 3.0
@@ -94,7 +94,7 @@ def test_kernel_interrupt(kernel: NotebookKernel, fault: str, rank: int, phase: 
     assert printed == set(watcher.fact("pid")) and len(printed) == 2
     assert cleanup is not None and cleanup <= INTERRUPT_BOUND_S, f"cleanup {cleanup} s"
     assert_ports_free(watcher, watcher.pids | {helper_pid, kernel.pid})
-    assert not listen_sockets([helper_pid])
+    assert not listens_of_its_own(helper_pid, kernel.pid)
     assert kernel.value(NEXT_LAUNCH_CELL) == "[(0, 2.0), (1, 2.0)]"
 
 

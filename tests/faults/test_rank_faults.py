@@ -28,8 +28,8 @@ from faultkit import (
     KillFromOutside,
     RunWatcher,
     fault_target,
-    listen_sockets,
     listening_on,
+    listens_of_its_own,
     ok_target,
     wait_gone,
 )
@@ -120,7 +120,7 @@ def assert_nothing_left(outcome: Outcome, helper_pid: int, bound: float) -> None
     for port in watcher.ports:
         holders = [c for c in listening_on(port) if c.pid is None or c.pid in ours]
         assert not holders, f"port {port} still listening after the run: {holders}"
-    assert not listen_sockets([helper_pid]), "the helper process listens on a port"
+    assert not listens_of_its_own(helper_pid, os.getpid()), "the helper process listens on a port"
 
 
 def assert_next_launch_works() -> None:

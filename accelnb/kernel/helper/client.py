@@ -18,6 +18,12 @@ and :meth:`WorkerHelper.death` says how it ended. Its workers die with it (``PR_
 
 A spawn request interrupted before its answer (Ctrl-C) is reclaimed: the workers it forked are
 killed before the interrupt goes on, so no worker outlives a launch that never learned its pids.
+
+Each spawn of a launch whose group can be joined ahead (``wire/group_ahead.py``) also hands the
+template a freshly bound rendezvous socket for the next launch like it: its waiting children
+join that launch's group on it. The kernel keeps its own copy, which
+:meth:`WorkerHelper.take_group_ahead` gives the next launch when it is alike, and which the
+next spawn closes when it was not used (the template lets that group go on any spawn).
 """
 
 from __future__ import annotations
@@ -38,6 +44,8 @@ from typing import Any, Protocol
 
 from accelnb.errors import WorkerStartError
 from accelnb.kernel.helper.process_exits import HelperExit, helper_died
+from accelnb.kernel.planning.ports import bind_rendezvous_socket
+from accelnb.wire.group_ahead import GroupAhead, group_ahead
 from accelnb.wire.spec import RankFds, WorkerSpec
 from accelnb.wire.template import FollowImports
 
@@ -123,6 +131,8 @@ class WorkerHelper:
         # crashed on its way out (a library's thread aborting) is known here, and tests look.
         self.departed_crashes: dict[int, int] = {}
         self.lost = False  # its end of the socket closed: it died
+        # The group the template's waiting children join ahead, and our copy of its bound socket.
+        self._ahead: tuple[GroupAhead, socket.socket] | None = None
         self.pid = self._process.pid
         # One exchange on the socket at a time: the launches of a sweep share the helper.
         self._lock = threading.RLock()
@@ -176,6 +186,7 @@ class WorkerHelper:
         if self._closed:
             return
         self._closed = True
+        self._drop_group_ahead()
         self._sock.close()
         self._close_start_stderr()
         try:
@@ -234,8 +245,11 @@ class WorkerHelper:
             raise self.unsafe
 
     # ── forking workers ─────────────────────────────────────────────────────────────────────
-    def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[RankFds], on_step: StepHook | None = None) -> list[int]:
+    def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[RankFds], on_step: StepHook | None = None, *,
+              join_next_ahead: bool = True) -> list[int]:
         """Fork one worker per spec, handing it ``fds`` (the spec's, in the same order).
+        ``join_next_ahead``: have the template's waiting children join the group of a next launch
+        like this one (``wire/group_ahead.py``), where that group can be joined ahead.
 
         Raises :class:`~accelnb.errors.HelperDied` when the helper dies meanwhile. Whatever
         interrupts the wait (Ctrl-C) leaves no worker of this request behind.
@@ -244,13 +258,21 @@ class WorkerHelper:
             self.wait_ready()
             self._next_request += 1
             request = self._next_request
+            self._drop_group_ahead()  # the template lets its group go on any spawn: one unused is dead
+            ahead = group_ahead(specs) if join_next_ahead else None
+            next_socket = bind_rendezvous_socket(None) if ahead is not None else None
             try:
-                socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs)))],
-                                [fd for each in fds for fd in each.flat()])
+                socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs), ahead))],
+                                [fd for each in fds for fd in each.flat()]
+                                + ([] if next_socket is None else [next_socket.fileno()]))
             except OSError:
+                if next_socket is not None:
+                    next_socket.close()
                 if self._peer_closed():
                     raise helper_died(self.death(), "while starting workers") from None
                 raise
+            if ahead is not None and next_socket is not None:
+                self._ahead = (ahead, next_socket)  # a failed or interrupted spawn drops it next time
             try:
                 if on_step is not None:
                     on_step("spawn-requested")
@@ -270,6 +292,27 @@ class WorkerHelper:
             self.workers_started += len(pids)
             self._live_pids.update(pids)
             return pids
+
+    @property
+    def socket_held_ahead(self) -> socket.socket | None:
+        """Our copy of the socket bound for the next launch's group, while we hold one."""
+        return None if self._ahead is None else self._ahead[1]
+
+    def take_group_ahead(self, ahead: GroupAhead) -> socket.socket | None:
+        """The rendezvous socket of the group the template's waiting children joined ahead, for a
+        launch whose group is ``ahead`` (:func:`~accelnb.wire.group_ahead.group_ahead` of its
+        specs); None when that is another group (bind a fresh one). Taken: the caller closes it."""
+        with self._lock:
+            if self._ahead is None or self._ahead[0] != ahead:
+                return None
+            taken = self._ahead[1]
+            self._ahead = None
+            return taken
+
+    def _drop_group_ahead(self) -> None:
+        if self._ahead is not None:
+            self._ahead[1].close()
+            self._ahead = None
 
     def _await_reply(self, request: int, deadline: float, kinds: tuple[str, ...]) -> Any | None:
         """The template's answer to ``request``; None when it died or the deadline passed."""

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import os
+import socket
 import sys
 import threading
 import time
@@ -158,6 +159,13 @@ def departed_crashes() -> dict[int, int]:
     """Departed ranks that did not exit 0, pid: exit code (negative: the signal). Always empty
     unless something in a rank's last moments is broken: nobody waited for those exits."""
     return {pid: code for helper in _templates() for pid, code in helper.departed_crashes.items()}
+
+
+def sockets_held_ahead() -> list[socket.socket]:
+    """The rendezvous sockets this process holds for its templates' next launches, bound and
+    listening on purpose (``wire/group_ahead.py``): each is closed by the next spawn, or with its
+    template. For whoever checks that a launch left no socket behind: tests, and tools."""
+    return [held for helper in _templates() if (held := helper.socket_held_ahead) is not None]
 
 
 def _templates() -> list[WorkerHelper]:

@@ -16,8 +16,7 @@ import errno
 import socket
 
 from accelnb.errors import LaunchConfigError, PortInUseError
-
-LOOPBACK = "127.0.0.1"
+from accelnb.wire.spec import LOOPBACK
 
 
 def check_port(port: object) -> None:

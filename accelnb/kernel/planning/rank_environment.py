@@ -28,14 +28,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from accelnb.kernel.planning.ports import LOOPBACK
+from accelnb.wire.spec import GROUP_TIMEOUT_ENV, LOOPBACK
 
 # Each rank's planned device, "cuda:N" or "cpu", in its environment. Read by
 # accelnb.worker.cell_runner (which may not import this module; tests/test_planning.py pins the name).
 DEVICE_ENV = "ACCELNB_DEVICE"
-# The timeout of the group accelnb makes (group_timeout=), in seconds; unset: torch's default.
-# Read by accelnb.worker.other_launchers.process_group (tests/test_process_group.py pins the name).
-GROUP_TIMEOUT_ENV = "ACCELNB_GROUP_TIMEOUT_S"
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -55,8 +55,8 @@ from dataclasses import dataclass, field, replace
 
 from accelnb.errors import GpuSelectionError, LaunchConfigError
 from accelnb.kernel.planning.inventory import GpuInfo, Inventory
-from accelnb.kernel.planning.ports import LOOPBACK
 from accelnb.kernel.planning.rank_environment import RankOptions, RankPlace, rank_environment
+from accelnb.wire.spec import LOOPBACK
 
 GpuSpec = str | int | Sequence[int | str] | None
 

@@ -39,6 +39,7 @@ from accelnb.kernel.run.rank_group import RankGroup
 from accelnb.kernel.run.supervisor import WorkerGroup
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import MetricBatch, StepWindow
+from accelnb.wire.group_ahead import group_ahead
 from accelnb.wire.result_pickling import loads_in_kernel
 
 
@@ -140,22 +141,32 @@ def start_workers(the_plan: rank_plan.LaunchPlan, master_port: int | None, *, pe
     An interrupt at any moment of this leaves no worker and no fd behind, and surfaces as
     :class:`~accelnb.errors.RunInterrupted`. ``on_step`` is for tests (see ``WorkerGroup``).
     """
-    store_socket = bind_rendezvous_socket(master_port)
+    # A port the user chose is bound first: taken, it is the error, before any helper starts.
+    store_socket = bind_rendezvous_socket(master_port) if master_port is not None else None
     group: WorkerGroup | None = None
     try:
-        the_plan = the_plan.with_port(store_socket.getsockname()[1])
         helper = helpers(on_step=on_step)
         _step(on_step, "helper-ready")
+        if store_socket is None:
+            # The helper's waiting children may have joined this launch's group already, on a
+            # socket bound for it (wire/group_ahead.py); the specs say which group it is.
+            ahead = group_ahead(worker_specs(the_plan, persistent, restart_count, threads=threads))
+            taken = helper.take_group_ahead(ahead) if ahead is not None else None
+            store_socket = taken if taken is not None else bind_rendezvous_socket(None)
+        the_plan = the_plan.with_port(store_socket.getsockname()[1])
         router = OutputRouter(live_ranks={0}, prefix=False, sink=notebook_sink)
         group = WorkerGroup(the_plan, helper, router, persistent=persistent, on_step=on_step,
                             await_exits=persistent)
-        group.start(worker_specs(the_plan, persistent, restart_count, threads=threads), store_socket)
+        # A launch on a port the user chose is most likely followed by another on it: no group ahead.
+        group.start(worker_specs(the_plan, persistent, restart_count, threads=threads), store_socket,
+                    join_next_ahead=master_port is None)
         if not quiet:
             show_start(the_plan, [w.pid for w in group.workers])
         _step(on_step, "started")
         return group
     except BaseException as error:
-        store_socket.close()  # once rank 0 has it, closing ours is what the start does anyway
+        if store_socket is not None:
+            store_socket.close()  # once rank 0 has it, closing ours is what the start does anyway
         if group is not None:
             group.close()
         if isinstance(error, KeyboardInterrupt):

@@ -148,8 +148,9 @@ class WorkerGroup:
         return self._helper_death
 
     # ── starting ────────────────────────────────────────────────────────────────────────────
-    def start(self, specs: list[WorkerSpec], store_socket: socket.socket) -> None:
-        """Fork the workers. The store's listening socket goes to rank 0 only.
+    def start(self, specs: list[WorkerSpec], store_socket: socket.socket, *, join_next_ahead: bool = True) -> None:
+        """Fork the workers. The store's listening socket goes to rank 0 only. ``join_next_ahead``:
+        see :meth:`~accelnb.kernel.helper.client.WorkerHelper.spawn`.
 
         Whatever stops it half-way (Ctrl-C, the helper's death) kills what was forked and closes
         every fd before it propagates.
@@ -159,7 +160,7 @@ class WorkerGroup:
             for spec in specs:
                 theirs = self._channels.open(spec.rank)
                 fds.append(replace(theirs, store=store_socket.fileno()) if spec.holds_store else theirs)
-            self._processes.spawn(specs, fds)
+            self._processes.spawn(specs, fds, join_next_ahead=join_next_ahead)
             self._channels.close_their_ends()  # the workers hold them now: end of file works both ways
             self._channels.watch(self.helper.fileno(), self.helper.collect)
             self._phases.begin([run_state.RankState(spec.rank, spec.device, "starting", process.pid)

@@ -39,8 +39,12 @@ DDP series does that at import); the original is called with its own signature
 (``inspect.signature(...).bind``), so a new keyword in a torch release passes through.
 ``tests/test_process_group.py`` checks the names and parameters this relies on.
 
+A rank forked ahead of its launch may have joined the launch's group already
+(:func:`join_ahead`, ``wire/group_ahead.py``): then :func:`join_default_group` adopts that group
+as accelnb's, with the store it was made on, and everything above holds for it unchanged.
+
 Module-level state: ``_launched``, the launch this rank process joined (a process is one rank of
-one launch at a time).
+one launch at a time); ``_joined_ahead``, the group a waiting child joined before its launch.
 """
 
 from __future__ import annotations
@@ -49,16 +53,15 @@ import functools
 import inspect
 import os
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from accelnb.wire.spec import WorkerSpec
+from accelnb.wire.group_ahead import is_join_variable
+from accelnb.wire.spec import GROUP_TIMEOUT_ENV, LOOPBACK, WorkerSpec
 from accelnb.worker.other_launchers.import_hooks import when_imported
 
-# Set by the planner (accelnb.kernel.planning.rank_environment.GROUP_TIMEOUT_ENV) from group_timeout=.
-GROUP_TIMEOUT_ENV = "ACCELNB_GROUP_TIMEOUT_S"
 # The rendezvous: how long a rank waits for the store and for its peers to join.
 STORE_TIMEOUT_S = 300.0
 # Keys of the join barrier in the launch's TCPStore (torch's own keys carry a "default_pg/" prefix).
@@ -86,11 +89,58 @@ class _Launched:
 _launched: _Launched | None = None
 
 
+@dataclass(frozen=True)
+class _JoinedAhead:
+    rank: int
+    world_size: int
+    port: int
+    store: Any
+    store_fd: int | None  # rank 0's: the store listens on it
+    timeout: timedelta | None
+
+
+_joined_ahead: _JoinedAhead | None = None
+
+
+def join_ahead(rank: int, world_size: int, port: int, listen_fd: int | None, prefix: str,
+               join_env: Sequence[tuple[str, str]]) -> None:
+    """In a child forked ahead of a launch (``worker/template/standby_ranks.py``): join that
+    launch's group now, as ``rank`` of ``world_size``, on the store at ``port`` (rank 0 serves it
+    on ``listen_fd``), under the key ``prefix``, with the environment the launch's ranks will have
+    for joining (``join_env``: those variables, and no others of their kind)."""
+    global _joined_ahead
+    import torch.distributed as dist
+
+    for name in [name for name in os.environ if is_join_variable(name)]:
+        del os.environ[name]
+    os.environ.update(join_env)
+    store = dist.TCPStore(LOOPBACK, port, world_size, is_master=rank == 0, timeout=timedelta(seconds=STORE_TIMEOUT_S),
+                          wait_for_workers=False, master_listen_fd=listen_fd)
+    timeout = _timeout_asked()
+    group_store = dist.PrefixStore(prefix, store)
+    original: Any = dist.init_process_group
+    if getattr(original, _ACCELNBS, False):
+        original = original.__wrapped__
+    original("gloo", store=group_store, rank=rank, world_size=world_size,
+             **({} if timeout is None else {"timeout": timeout}))
+    _wait_until_every_rank_joined(group_store, world_size)
+    _joined_ahead = _JoinedAhead(rank, world_size, port, store, listen_fd, timeout)
+
+
+def joined_ahead() -> bool:
+    """Whether this rank's group was joined before its launch (:func:`join_ahead`)."""
+    return _launched is not None and _joined_ahead is not None
+
+
 def join_default_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist: Any) -> None:
     """Connect to the launch's store, join the default group, wait until every rank has, and
-    route the code's own ``init_process_group`` calls here (:func:`install`)."""
+    route the code's own ``init_process_group`` calls here (:func:`install`). A rank that joined
+    its launch's group ahead (:func:`join_ahead`) adopts that group instead."""
     global _launched
 
+    if _joined_ahead is not None:
+        _adopt_group_joined_ahead(spec, store_fd, dist)
+        return
     device_id = None
     if spec.device.startswith("cuda"):
         device_id = torch.device(spec.device)
@@ -110,6 +160,24 @@ def join_default_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist:
     _launched = _Launched(spec, store, store_fd, device_id if spec.backend == "nccl" else None, original)
     _make_accelnb_group(dist)
     route_through_accelnb(dist)  # the template did already; a no-op then
+
+
+def _adopt_group_joined_ahead(spec: WorkerSpec, store_fd: int | None, dist: Any) -> None:
+    global _launched
+    ahead = _joined_ahead
+    assert ahead is not None
+    if (ahead.rank, ahead.world_size, ahead.port) != (spec.rank, spec.world_size, spec.master_port):
+        raise RuntimeError(f"accelnb handed rank {spec.rank} of {spec.world_size} (port {spec.master_port}) to a "
+                           f"process that joined rank {ahead.rank} of {ahead.world_size} (port {ahead.port}) ahead")
+    if store_fd is not None and store_fd != ahead.store_fd:
+        os.close(store_fd)  # the kernel's copy of the socket this rank's store already listens on
+    original = dist.init_process_group
+    if getattr(original, _ACCELNBS, False):
+        original = original.__wrapped__
+    _launched = _Launched(spec, ahead.store, ahead.store_fd, None, original, generation=0, ours=True,
+                          timeout=ahead.timeout)
+    _keep_alive(dist.group.WORLD)
+    route_through_accelnb(dist)
 
 
 def release_store_port() -> bool:
@@ -231,14 +299,18 @@ def _make_accelnb_group(dist: Any, timeout: timedelta | None = None) -> None:
     kwargs: dict[str, Any] = {}
     if _launched.device_id is not None:
         kwargs["device_id"] = _launched.device_id
-    timeout_s = os.environ.get(GROUP_TIMEOUT_ENV)
-    if timeout is None and timeout_s:  # group_timeout=; else torch's default for the backend
-        timeout = timedelta(seconds=float(timeout_s))
+    if timeout is None:  # group_timeout=; else torch's default for the backend
+        timeout = _timeout_asked()
     if timeout is not None:
         kwargs["timeout"] = timeout
     _init_on_launch_store(dist, spec.backend, **kwargs)
     _launched.ours = True
     _launched.timeout = timeout
+
+
+def _timeout_asked() -> timedelta | None:
+    timeout_s = os.environ.get(GROUP_TIMEOUT_ENV)
+    return timedelta(seconds=float(timeout_s)) if timeout_s else None
 
 
 def _init_on_launch_store(dist: Any, backend: Any, **requested: Any) -> None:

@@ -27,9 +27,11 @@ Protocol, over one private ``AF_UNIX``/``SOCK_SEQPACKET`` socketpair inherited f
 - kernel → template a :class:`~accelnb.wire.template.FollowImports`; template → kernel
   ``("followed", request_id, [failed module…])`` once every module was tried, or
   ``("unsafe", request_id, module, reason)`` (then and ever after);
-- kernel → template ``("spawn", request_id, [WorkerSpec…])`` with each worker's fds attached
-  (a :class:`~accelnb.wire.spec.RankFds` each: stdout, stderr, events, inbox, and for rank 0 the
-  TCPStore's listening socket; ``split_fds`` reads them back by name);
+- kernel → template ``("spawn", request_id, [WorkerSpec…], group_ahead)`` with each worker's
+  fds attached (a :class:`~accelnb.wire.spec.RankFds` each: stdout, stderr, events, inbox, and
+  for rank 0 the TCPStore's listening socket; ``split_fds`` reads them back by name), and, where
+  ``group_ahead`` (a :class:`~accelnb.wire.group_ahead.GroupAhead`) is not None, last the socket
+  bound for the next launch's group, which the waiting children join ahead (``standby_ranks.py``);
 - template → kernel ``("spawned", request_id, [pid…])`` or ``("spawn_failed", request_id, text)``;
 - template → kernel ``("exited", pid, returncode, reaped_at)`` once for every worker it forked
   (``returncode`` negative for a signal, ``reaped_at`` the wall time it was reaped), sent only
@@ -76,12 +78,13 @@ import traceback
 from collections import deque
 from typing import Any
 
+from accelnb.wire.group_ahead import GroupAhead
 from accelnb.wire.spec import RankFds, split_fds
 from accelnb.wire.template import FollowImports
 from accelnb.worker.process_children import own_children
 from accelnb.worker.template import imports as template_imports
 from accelnb.worker.template.huge_pages import QUIET_BEFORE_COLLAPSE_S, HugePages
-from accelnb.worker.template.standby_ranks import StandbyRanks
+from accelnb.worker.template.standby_ranks import JoinAhead, StandbyRanks
 
 PR_SET_PDEATHSIG = 1
 PR_SET_CHILD_SUBREAPER = 36
@@ -198,7 +201,9 @@ def serve(sock: socket.socket) -> None:
     signal.signal(signal.SIGCHLD, lambda *_: None)
     workers: set[int] = set()
     following = Following(sock)
-    standby = StandbyRanks(close_in_child=(sock.fileno(), wake_r, wake_w))
+    standby = StandbyRanks(close_in_child=(sock.fileno(), wake_r, wake_w),
+                           become_rank=lambda spec, fds: _become_worker(spec, fds, leave_template=False),
+                           leave_template=_leave_template_to_wait, join_ahead=_join_ahead)
     pages = HugePages()
     quiet_since = time.monotonic()  # when the kernel or a rank last gave the template something to do
     while True:
@@ -225,8 +230,7 @@ def serve(sock: socket.socket) -> None:
             pages.memory_changed()  # the import's memory too, once no more imports wait
             continue
         if not readable and refilling:
-            standby.fork_one(become_rank=lambda spec, fds: _become_worker(spec, fds, leave_template=False),
-                             leave_template=_leave_template_to_wait)
+            standby.fork_one()
             continue
         if not readable and collapsing:
             pages.step()
@@ -257,27 +261,37 @@ def serve(sock: socket.socket) -> None:
                     send(sock, ("spawn_failed", message[1], f"the template became unsafe to fork after "
                                                             f"importing {module}: {reason}"))
                     continue
-                _spawn(sock, message[1], message[2], fds, workers, standby, (wake_r, wake_w))
+                group_ahead = message[3]  # the next launch's group, and its socket the last fd
+                _spawn(sock, message[1], message[2], fds, workers, standby, (wake_r, wake_w),
+                       group_ahead, fds.pop() if group_ahead is not None else None)
 
 
 def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int],
-           workers: set[int], standby: StandbyRanks, own_fds: tuple[int, int]) -> None:
-    """One rank per spec: handed to a waiting child where one waits, else forked now."""
+           workers: set[int], standby: StandbyRanks, own_fds: tuple[int, int],
+           group_ahead: GroupAhead | None, listener_fd: int | None) -> None:
+    """One rank per spec: the members that joined this launch's group ahead, else handed to a
+    waiting child where one waits, else forked now. Then the next launch's group is joined ahead."""
     pids: list[int] = []
     standby.wanted = len(specs)  # the next launch most likely has as many
     # The template's objects (torch's ~300k) are never collected in a rank: a rank's full
     # collection would otherwise walk them all (0.1-0.35 s, a stall in its training loop) and
     # copy every page it touches (their GC headers), which a fork shares until written.
     gc.freeze()
+    held = fds + ([] if listener_fd is None else [listener_fd])
     try:
-        for spec, mine in zip(specs, split_fds(fds, specs), strict=True):
+        split = split_fds(fds, specs)
+        joined = standby.hand_over_group(specs, split)
+        if joined is not None:
+            workers.update(joined)
+            pids.extend(joined)
+        for spec, mine in zip(specs, split, strict=True) if joined is None else ():
             pid = standby.hand_over(spec, mine)
             if pid is None:
                 pid = os.fork()
             if pid == 0:
                 # The other ranks' fds must not live on in this worker (the store socket would
                 # stay bound, and pipes would not see end of file).
-                for fd in set(fds) - set(mine.flat()):
+                for fd in set(held) - set(mine.flat()):
                     os.close(fd)
                 sock.close()
                 for fd in own_fds:
@@ -298,6 +312,7 @@ def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int
         standby.settle()  # after a failure: only closes what is left
         for fd in fds:
             os.close(fd)
+        standby.expect(group_ahead, None if listener_fd is None else socket.socket(fileno=listener_fd))
 
 
 def _become_worker(spec: Any, fds: RankFds, leave_template: bool) -> None:
@@ -350,6 +365,14 @@ def _leave_template_to_wait() -> None:
     from accelnb.worker.main import start_while_waiting
 
     start_while_waiting()
+
+
+def _join_ahead(member: JoinAhead) -> None:
+    """A member of the group ahead, while it waits: join the group (``process_group.join_ahead``)."""
+    from accelnb.worker.other_launchers import process_group
+
+    process_group.join_ahead(member.rank, member.group.world_size, member.port, member.listen_fd,
+                             member.prefix, member.group.join_env)
 
 
 def _report_start_failure(rank: int, stderr_fd: int, events_fd: int, error: BaseException) -> None:

@@ -90,11 +90,12 @@ class RankProcesses:
         return process is not None and process.alive
 
     # ── starting ────────────────────────────────────────────────────────────────────────────
-    def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[RankFds]) -> None:
-        """Have the helper fork one worker per spec; ``fds`` are their channel ends, in order."""
+    def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[RankFds], *, join_next_ahead: bool = True) -> None:
+        """Have the helper fork one worker per spec; ``fds`` are their channel ends, in order.
+        ``join_next_ahead``: see :meth:`~accelnb.kernel.helper.client.WorkerHelper.spawn`."""
         self.ranks = [RankProcess(spec.rank) for spec in specs]
         self._by_rank = {process.rank: process for process in self.ranks}
-        self._spawned_pids = self.helper.spawn(specs, fds, on_step=self._on_step)
+        self._spawned_pids = self.helper.spawn(specs, fds, on_step=self._on_step, join_next_ahead=join_next_ahead)
         if self._on_step is not None:
             self._on_step("spawned")
         for process, pid in zip(self.ranks, self._spawned_pids, strict=True):
