@@ -8,6 +8,7 @@ own answer (``process_group.joined_ahead()``); the waiting children are found by
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -24,6 +25,7 @@ from accelnb.errors import RankFailed
 from accelnb.kernel.helper.template import shared_helper, shutdown_helper
 from accelnb.wire.group_ahead import group_ahead
 from accelnb.wire.spec import WorkerSpec
+from tests.conftest import error_of, run_notebook, stream_text
 from tests.test_standby_ranks import waiting_children
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -251,3 +253,75 @@ def test_what_makes_two_launches_groups_alike() -> None:
     assert group_ahead([spec(0, world_size=3), spec(1, world_size=3), spec(2, world_size=3)]) != alike
     timeout = [spec(r, env={"ACCELNB_GROUP_TIMEOUT_S": "3.0"}) for r in (0, 1)]
     assert group_ahead(timeout) not in (None, alike)
+
+
+# ── in a notebook, with code nobody here wrote the launcher for ─────────────────────────────────
+NOTEBOOK_FIRST_CELL = """
+import json, os, time
+import psutil, torch, transformers
+from tqdm.auto import tqdm
+import accelnb
+from accelnb.kernel.helper.template import running_helper_pid
+from tests.ddp_series_style import train as ddp_series_train
+
+def joined_children():
+    # The template's waiting children, once both are forked (a launch takes them only then).
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        found = [p for p in psutil.Process(running_helper_pid()).children() if p.name() == "accelnb-standby"]
+        if len(found) == 2:
+            return sorted(p.pid for p in found)
+        time.sleep(0.02)
+    raise AssertionError("no two waiting children")
+
+def with_accelerate(steps):
+    # Accelerate's examples' shape: Accelerator(), prepare, a few steps, gather.
+    import torch
+    from accelerate import Accelerator
+    from accelnb.worker.other_launchers import process_group
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    for _ in range(steps):
+        optimizer.zero_grad()
+        accelerator.backward(torch.nn.functional.mse_loss(model(torch.ones(8, 4)), torch.zeros(8, 1)))
+        optimizer.step()
+    weights = accelerator.gather(accelerator.unwrap_model(model).weight.detach().reshape(1, -1))
+    accelerator.wait_for_everyone()
+    return [bool(torch.equal(weights[0], weights[1])), process_group.joined_ahead(), os.getpid()]
+"""
+NOTEBOOK_CELLS = {
+    "DDP series, first": "print(json.dumps(accelnb.notebook_launcher(ddp_series_train, (2,), num_processes=2, "
+                         "cpu=True)))",
+    "DDP series, joined ahead": "waiting = joined_children()\n"
+                                "def ddp_series_and_how(epochs):\n"
+                                "    from accelnb.worker.other_launchers import process_group\n"
+                                "    return [ddp_series_train(epochs), process_group.joined_ahead()]\n"
+                                "print(json.dumps(accelnb.notebook_launcher(ddp_series_and_how, (2,), "
+                                "num_processes=2, cpu=True)))",
+    "Accelerate, joined ahead": "waiting = joined_children()\n"
+                                "found = accelnb.launch(with_accelerate, (3,), num_processes=2, cpu=True, "
+                                "collect='all').values\n"
+                                "print(json.dumps([found[0][:2], found[1][:2], sorted(v[2] for v in found.values()) "
+                                "== waiting]))",
+    "Accelerate, three ranks": "found = accelnb.launch(with_accelerate, (3,), num_processes=3, cpu=True, "
+                               "collect='all').values\n"
+                               "print(json.dumps([v[:2] for v in found.values()]))",
+}
+
+
+def test_in_a_notebook_pytorch_examples_and_accelerate_run_in_ranks_that_joined_ahead() -> None:
+    outputs = run_notebook([NOTEBOOK_FIRST_CELL, *NOTEBOOK_CELLS.values()], timeout=300,
+                           env={"ACCELNB_TEMPLATE": "on"})
+    named = dict(zip(["first", *NOTEBOOK_CELLS], outputs, strict=True))
+    for name, cell in named.items():
+        shown = stream_text(cell) + stream_text(cell, "stderr")
+        assert error_of(cell) is None, (name, error_of(cell), shown)
+        assert "from fork" not in shown and "<IPython.core.display" not in shown, (name, shown)
+    last = {name: json.loads(stream_text(cell).strip().splitlines()[-1]) for name, cell in named.items()
+            if name != "first"}
+    assert last["DDP series, first"] is True  # every rank ended with the same weights
+    assert last["DDP series, joined ahead"] == [True, True]  # its own init_process_group adopted that group
+    assert last["Accelerate, joined ahead"] == [[True, True], [True, True], True]  # the waiting children's pids
+    assert last["Accelerate, three ranks"] == [[True, False]] * 3  # another group: joined at launch

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 from accelnb.errors import WorkerStartError
 from accelnb.kernel.helper.process_exits import HelperExit, helper_died
 from accelnb.kernel.planning.ports import bind_rendezvous_socket
-from accelnb.wire.group_ahead import GroupAhead, group_ahead
+from accelnb.wire.group_ahead import GroupAhead
 from accelnb.wire.spec import RankFds, WorkerSpec
 from accelnb.wire.template import FollowImports
 
@@ -246,10 +246,10 @@ class WorkerHelper:
 
     # ── forking workers ─────────────────────────────────────────────────────────────────────
     def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[RankFds], on_step: StepHook | None = None, *,
-              join_next_ahead: bool = True) -> list[int]:
+              next_group: GroupAhead | None = None) -> list[int]:
         """Fork one worker per spec, handing it ``fds`` (the spec's, in the same order).
-        ``join_next_ahead``: have the template's waiting children join the group of a next launch
-        like this one (``wire/group_ahead.py``), where that group can be joined ahead.
+        ``next_group``: the group of a next launch like this one (``group_ahead(specs)``), which the
+        template's waiting children then join ahead (``wire/group_ahead.py``); None: none.
 
         Raises :class:`~accelnb.errors.HelperDied` when the helper dies meanwhile. Whatever
         interrupts the wait (Ctrl-C) leaves no worker of this request behind.
@@ -259,7 +259,7 @@ class WorkerHelper:
             self._next_request += 1
             request = self._next_request
             self._drop_group_ahead()  # the template lets its group go on any spawn: one unused is dead
-            ahead = group_ahead(specs) if join_next_ahead else None
+            ahead = next_group
             next_socket = bind_rendezvous_socket(None) if ahead is not None else None
             try:
                 socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs), ahead))],

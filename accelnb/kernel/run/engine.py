@@ -39,7 +39,7 @@ from accelnb.kernel.run.rank_group import RankGroup
 from accelnb.kernel.run.supervisor import WorkerGroup
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import MetricBatch, StepWindow
-from accelnb.wire.group_ahead import group_ahead
+from accelnb.wire.group_ahead import GroupAhead, group_ahead
 from accelnb.wire.result_pickling import loads_in_kernel
 
 
@@ -147,19 +147,23 @@ def start_workers(the_plan: rank_plan.LaunchPlan, master_port: int | None, *, pe
     try:
         helper = helpers(on_step=on_step)
         _step(on_step, "helper-ready")
-        if store_socket is None:
+        this_group: GroupAhead | None = None
+        if store_socket is None and helper.socket_held_ahead is not None:
             # The helper's waiting children may have joined this launch's group already, on a
             # socket bound for it (wire/group_ahead.py); the specs say which group it is.
-            ahead = group_ahead(worker_specs(the_plan, persistent, restart_count, threads=threads))
-            taken = helper.take_group_ahead(ahead) if ahead is not None else None
-            store_socket = taken if taken is not None else bind_rendezvous_socket(None)
+            this_group = group_ahead(worker_specs(the_plan, persistent, restart_count, threads=threads))
+            store_socket = helper.take_group_ahead(this_group) if this_group is not None else None
+        if store_socket is None:
+            store_socket = bind_rendezvous_socket(None)
         the_plan = the_plan.with_port(store_socket.getsockname()[1])
         router = OutputRouter(live_ranks={0}, prefix=False, sink=notebook_sink)
         group = WorkerGroup(the_plan, helper, router, persistent=persistent, on_step=on_step,
                             await_exits=persistent)
-        # A launch on a port the user chose is most likely followed by another on it: no group ahead.
-        group.start(worker_specs(the_plan, persistent, restart_count, threads=threads), store_socket,
-                    join_next_ahead=master_port is None)
+        specs = worker_specs(the_plan, persistent, restart_count, threads=threads)
+        # The next launch is most likely like this one: its ranks can join its group ahead. Not
+        # after a launch on a port the user chose, which the next most likely chooses again.
+        next_group = None if master_port is not None else this_group or group_ahead(specs)
+        group.start(specs, store_socket, next_group=next_group)
         if not quiet:
             show_start(the_plan, [w.pid for w in group.workers])
         _step(on_step, "started")

@@ -77,6 +77,7 @@ from accelnb.kernel.run.group.stall_report import stall_report
 from accelnb.kernel.run.group.stop_presses import announce_request
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import Departing, InputReply, InputRequest, Joined
+from accelnb.wire.group_ahead import GroupAhead
 from accelnb.wire.spec import WorkerSpec
 
 FAILURE_GRACE_S = 3.0  # between SIGTERM and SIGKILL when a rank failed, or the call timed out
@@ -148,8 +149,9 @@ class WorkerGroup:
         return self._helper_death
 
     # ── starting ────────────────────────────────────────────────────────────────────────────
-    def start(self, specs: list[WorkerSpec], store_socket: socket.socket, *, join_next_ahead: bool = True) -> None:
-        """Fork the workers. The store's listening socket goes to rank 0 only. ``join_next_ahead``:
+    def start(self, specs: list[WorkerSpec], store_socket: socket.socket, *,
+              next_group: GroupAhead | None = None) -> None:
+        """Fork the workers. The store's listening socket goes to rank 0 only. ``next_group``:
         see :meth:`~accelnb.kernel.helper.client.WorkerHelper.spawn`.
 
         Whatever stops it half-way (Ctrl-C, the helper's death) kills what was forked and closes
@@ -160,7 +162,7 @@ class WorkerGroup:
             for spec in specs:
                 theirs = self._channels.open(spec.rank)
                 fds.append(replace(theirs, store=store_socket.fileno()) if spec.holds_store else theirs)
-            self._processes.spawn(specs, fds, join_next_ahead=join_next_ahead)
+            self._processes.spawn(specs, fds, next_group=next_group)
             self._channels.close_their_ends()  # the workers hold them now: end of file works both ways
             self._channels.watch(self.helper.fileno(), self.helper.collect)
             self._phases.begin([run_state.RankState(spec.rank, spec.device, "starting", process.pid)

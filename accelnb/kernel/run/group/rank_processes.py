@@ -32,6 +32,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from accelnb.kernel.helper.client import StepHook, WorkerHelper
+from accelnb.wire.group_ahead import GroupAhead
 from accelnb.wire.spec import RankFds, WorkerSpec
 
 KILL_WAIT_S = 5.0  # after SIGKILL: how long until the helper reports the exits
@@ -90,12 +91,13 @@ class RankProcesses:
         return process is not None and process.alive
 
     # ── starting ────────────────────────────────────────────────────────────────────────────
-    def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[RankFds], *, join_next_ahead: bool = True) -> None:
+    def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[RankFds], *,
+              next_group: GroupAhead | None = None) -> None:
         """Have the helper fork one worker per spec; ``fds`` are their channel ends, in order.
-        ``join_next_ahead``: see :meth:`~accelnb.kernel.helper.client.WorkerHelper.spawn`."""
+        ``next_group``: see :meth:`~accelnb.kernel.helper.client.WorkerHelper.spawn`."""
         self.ranks = [RankProcess(spec.rank) for spec in specs]
         self._by_rank = {process.rank: process for process in self.ranks}
-        self._spawned_pids = self.helper.spawn(specs, fds, on_step=self._on_step, join_next_ahead=join_next_ahead)
+        self._spawned_pids = self.helper.spawn(specs, fds, on_step=self._on_step, next_group=next_group)
         if self._on_step is not None:
             self._on_step("spawned")
         for process, pid in zip(self.ranks, self._spawned_pids, strict=True):
