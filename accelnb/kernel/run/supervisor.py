@@ -287,6 +287,9 @@ class WorkerGroup:
         rank = process.rank
         self._drain(rank, answers)
         process.exit_code = ended.code
+        if rank in self._departing:  # it said it leaves nothing behind, and its exit came before the
+            self._departing.discard(rank)  # end of its channels was read (a loaded machine): it departed
+            self._processes.note_departure(rank)
         if answers.has_failed(rank):
             return  # it reported its own exception before exiting
         if ended.code != 0 or (rank not in answers.values and answers.call_id is not None):

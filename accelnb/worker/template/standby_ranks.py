@@ -99,8 +99,6 @@ class _Ahead:
         return int(self.listener.getsockname()[1])
 
 
-_set_numbers = itertools.count(1)
-
 
 class StandbyRanks:
     """The template's waiting children: ``wanted`` of them, forked one per idle turn."""
@@ -117,6 +115,7 @@ class StandbyRanks:
         self._waiting: dict[int, socket.socket] = {}  # pid -> the template's end of its socket
         self._handed: list[socket.socket] = []  # handed a spec, not yet heard to be a rank
         self._ahead: _Ahead | None = None
+        self._set_numbers = itertools.count(1)  # each set of members' store prefix
 
     @property
     def pids(self) -> set[int]:
@@ -272,7 +271,7 @@ class StandbyRanks:
         if group is None or listener is None:
             return
         self.let_go()  # forked for no group: each would be a rank that joins at launch
-        self._ahead = _Ahead(group, listener, f"accelnb/ahead-{next(_set_numbers)}/")
+        self._ahead = _Ahead(group, listener, f"accelnb/ahead-{next(self._set_numbers)}/")
 
     def let_go(self) -> None:
         """End every waiting child (the template changed since they were forked); the serve
@@ -280,7 +279,7 @@ class StandbyRanks:
         are reaped here (see :meth:`_end_members`); new ones join under a new prefix."""
         if self._ahead is not None:
             self._end_members(self._ahead)
-            self._ahead.prefix = f"accelnb/ahead-{next(_set_numbers)}/"
+            self._ahead.prefix = f"accelnb/ahead-{next(self._set_numbers)}/"
         while self._waiting:
             pid, ours = self._waiting.popitem()
             ours.close()
