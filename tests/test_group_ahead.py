@@ -264,11 +264,17 @@ import accelnb
 from accelnb.kernel.helper.template import running_helper_pid
 from tests.ddp_series_style import train as ddp_series_train
 
+def is_waiting_child(process):
+    try:
+        return process.name() == "accelnb-standby"
+    except psutil.Error:  # a departed rank, reaped between the listing and the look
+        return False
+
 def joined_children():
     # The template's waiting children, once both are forked (a launch takes them only then).
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
-        found = [p for p in psutil.Process(running_helper_pid()).children() if p.name() == "accelnb-standby"]
+        found = [p for p in psutil.Process(running_helper_pid()).children() if is_waiting_child(p)]
         if len(found) == 2:
             return sorted(p.pid for p in found)
         time.sleep(0.02)
