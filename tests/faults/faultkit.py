@@ -172,6 +172,28 @@ def listening_on(port: int) -> list[Any]:
             if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port]
 
 
+def ports_held_ahead() -> set[int]:
+    """Run in the kernel: the ports of the sockets it holds for its next launch. A rank forked at
+    launch holds the kernel's next socket for the moment between its fork and closing what is
+    not its own, so a watcher may see it listen there: that port stays held after the run, on
+    purpose (``wire/group_ahead.py``), and is never the run's rendezvous port (bound while that
+    one was still open)."""
+    from accelnb.kernel.helper.template import sockets_held_ahead
+
+    return {held.getsockname()[1] for held in sockets_held_ahead()}
+
+
+def ports_left_listening(watcher: RunWatcher, ours: set[int], held_ahead: set[int]) -> dict[int, list[Any]]:
+    """The ports ``watcher`` saw that a process of ``ours`` still listens on, but those the
+    kernel holds for its next launch (:func:`ports_held_ahead`)."""
+    left = {}
+    for port in watcher.ports - held_ahead:
+        holders = [c for c in listening_on(port) if c.pid is None or c.pid in ours]
+        if holders:
+            left[port] = holders
+    return left
+
+
 def listens_of_its_own(helper_pid: int, kernel_pid: int) -> list[tuple[int, Any]]:
     """The template's LISTEN sockets but the one it holds for its kernel's next launch: the
     kernel bound that one, and holds it too (``wire/group_ahead.py``)."""

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from faultkit import RunWatcher, listening_on, listens_of_its_own, wait_for_report, wait_gone
+from faultkit import RunWatcher, listens_of_its_own, ports_left_listening, wait_for_report, wait_gone
 from kernel_driver import NotebookKernel
 
 INTERRUPT_BOUND_S = 3.0
@@ -27,9 +28,11 @@ KERNEL_DEATH_BOUND_S = 5.0
 SETUP_CELL = """
 import accelnb
 from accelnb.kernel.helper.template import shared_helper
+import faultkit
 from faultkit import fault_target, ok_target
 print(shared_helper().pid)
 """
+HELD_AHEAD_CELL = "import json; print(json.dumps(sorted(faultkit.ports_held_ahead())))"
 NEXT_LAUNCH_CELL = "print(sorted(accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True).values.items()))"
 
 
@@ -58,11 +61,10 @@ def wait_until_faulted(report_dir: Path, fault: str, rank: int) -> None:
     wait_for_report(str(report_dir), 1 - rank, "collective_at")  # the other rank waits in all_reduce
 
 
-def assert_ports_free(watcher: RunWatcher, ours: set[int]) -> None:
+def assert_ports_free(watcher: RunWatcher, ours: set[int], held_ahead: set[int]) -> None:
     assert watcher.ports, "no rendezvous port was seen"
-    for port in watcher.ports:
-        holders = [c for c in listening_on(port) if c.pid is None or c.pid in ours]
-        assert not holders, f"port {port} still listening: {holders}"
+    left = ports_left_listening(watcher, ours, held_ahead)
+    assert not left, f"ports still listening: {left}"
 
 
 @pytest.mark.parametrize(("fault", "rank", "phase"), [
@@ -93,7 +95,8 @@ def test_kernel_interrupt(kernel: NotebookKernel, fault: str, rank: int, phase: 
     assert "accelnb stopped the run: every worker was ended on the interrupt" in error["evalue"]
     assert printed == set(watcher.fact("pid")) and len(printed) == 2
     assert cleanup is not None and cleanup <= INTERRUPT_BOUND_S, f"cleanup {cleanup} s"
-    assert_ports_free(watcher, watcher.pids | {helper_pid, kernel.pid})
+    held_ahead = set(json.loads(kernel.value(HELD_AHEAD_CELL)))
+    assert_ports_free(watcher, watcher.pids | {helper_pid, kernel.pid}, held_ahead)
     assert not listens_of_its_own(helper_pid, kernel.pid)
     assert kernel.value(NEXT_LAUNCH_CELL) == "[(0, 2.0), (1, 2.0)]"
 
@@ -119,6 +122,6 @@ def test_kernel_killed(kernel: NotebookKernel, fault: str, rank: int, phase: str
     assert len(watcher.fact("pid")) == 2 and watcher.pids >= set(watcher.fact("pid"))
     assert cleanup is not None and cleanup <= KERNEL_DEATH_BOUND_S, \
         f"cleanup {cleanup} s; left: {[p for p in watcher.pids | {helper_pid} if not wait_gone([p], 0)]}"
-    assert_ports_free(watcher, watcher.pids | {helper_pid, kernel.pid})
+    assert_ports_free(watcher, watcher.pids | {helper_pid, kernel.pid}, set())  # the kernel held none: it died
     kernel.restart()
     prepare(kernel)  # the next launch, in the restarted kernel, works

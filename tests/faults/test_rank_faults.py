@@ -28,9 +28,10 @@ from faultkit import (
     KillFromOutside,
     RunWatcher,
     fault_target,
-    listening_on,
     listens_of_its_own,
     ok_target,
+    ports_held_ahead,
+    ports_left_listening,
     wait_gone,
 )
 
@@ -117,9 +118,8 @@ def assert_nothing_left(outcome: Outcome, helper_pid: int, bound: float) -> None
     assert outcome.gone is not None, f"pids still alive {bound} s after the launch returned: " + \
         str(sorted(p for p in watcher.pids if not wait_gone([p], 0)))
     ours = watcher.pids | set(outcome.printed_pids) | {helper_pid}
-    for port in watcher.ports:
-        holders = [c for c in listening_on(port) if c.pid is None or c.pid in ours]
-        assert not holders, f"port {port} still listening after the run: {holders}"
+    left = ports_left_listening(watcher, ours, ports_held_ahead())
+    assert not left, f"ports still listening after the run: {left}"
     assert not listens_of_its_own(helper_pid, os.getpid()), "the helper process listens on a port"
 
 

@@ -118,10 +118,7 @@ def join_ahead(rank: int, world_size: int, port: int, listen_fd: int | None, pre
                           wait_for_workers=False, master_listen_fd=listen_fd)
     timeout = _timeout_asked()
     group_store = dist.PrefixStore(prefix, store)
-    original: Any = dist.init_process_group
-    if getattr(original, _ACCELNBS, False):
-        original = original.__wrapped__
-    original("gloo", store=group_store, rank=rank, world_size=world_size,
+    _torchs_init_process_group(dist)("gloo", store=group_store, rank=rank, world_size=world_size,
              **({} if timeout is None else {"timeout": timeout}))
     _wait_until_every_rank_joined(group_store, world_size)
     _joined_ahead = _JoinedAhead(rank, world_size, port, store, listen_fd, timeout)
@@ -154,10 +151,8 @@ def join_default_group(spec: WorkerSpec, store_fd: int | None, torch: Any, dist:
         wait_for_workers=False,
         master_listen_fd=store_fd,
     )
-    original = dist.init_process_group
-    if getattr(original, _ACCELNBS, False):  # the template routed it through accelnb: torch's is below
-        original = original.__wrapped__
-    _launched = _Launched(spec, store, store_fd, device_id if spec.backend == "nccl" else None, original)
+    _launched = _Launched(spec, store, store_fd, device_id if spec.backend == "nccl" else None,
+                          _torchs_init_process_group(dist))
     _make_accelnb_group(dist)
     route_through_accelnb(dist)  # the template did already; a no-op then
 
@@ -171,11 +166,8 @@ def _adopt_group_joined_ahead(spec: WorkerSpec, store_fd: int | None, dist: Any)
                            f"process that joined rank {ahead.rank} of {ahead.world_size} (port {ahead.port}) ahead")
     if store_fd is not None and store_fd != ahead.store_fd:
         os.close(store_fd)  # the kernel's copy of the socket this rank's store already listens on
-    original = dist.init_process_group
-    if getattr(original, _ACCELNBS, False):
-        original = original.__wrapped__
-    _launched = _Launched(spec, ahead.store, ahead.store_fd, None, original, generation=0, ours=True,
-                          timeout=ahead.timeout)
+    _launched = _Launched(spec, ahead.store, ahead.store_fd, None, _torchs_init_process_group(dist), generation=0,
+                          ours=True, timeout=ahead.timeout)
     _keep_alive(dist.group.WORLD)
     route_through_accelnb(dist)
 
@@ -237,6 +229,14 @@ def every_rank_arrives(name: str, world_size: int, timeout_s: float) -> None:
         _launched.store.wait([all_key], timedelta(seconds=timeout_s))
     except Exception as error:  # torch raises DistStoreError (a RuntimeError) on timeout
         raise TimeoutError(f"{int(_launched.store.add(arrived_key, 0))} of {world_size} ranks arrived") from error
+
+
+def _torchs_init_process_group(dist: Any) -> Callable[..., None]:
+    """torch's own ``init_process_group``, below ours where :func:`route_through_accelnb` routed it."""
+    found: Callable[..., None] = dist.init_process_group
+    if getattr(found, _ACCELNBS, False):  # torch's has a __wrapped__ of its own: only ours is unwrapped
+        found = found.__wrapped__  # type: ignore[attr-defined]
+    return found
 
 
 def route_through_accelnb(dist: Any) -> None:
@@ -367,8 +367,7 @@ def _init_process_group_in_a_launch(*args: Any, **kwargs: Any) -> None:
     import torch.distributed as dist
 
     if _launched is None:  # not in a launch's rank (the template, or a rank that never joined): torch's
-        original: Callable[..., None] = dist.init_process_group.__wrapped__  # type: ignore[attr-defined]
-        original(*args, **kwargs)
+        _torchs_init_process_group(dist)(*args, **kwargs)
         return
     asked = inspect.signature(_launched.original_init).bind(*args, **kwargs).arguments
     _refuse_other_numbers(asked)

@@ -91,7 +91,6 @@ class _Ahead:
     listener: socket.socket  # the template's copy of the socket the kernel bound for it
     prefix: str  # this set of members' store keys; a new set gets a new one
     members: dict[int, int] = field(default_factory=dict)  # pid -> its rank in the group
-    joined: set[int] = field(default_factory=set)  # members that said JOINED
     failed: bool = False  # a member died on its own: no more are forked for this group
 
     @property
@@ -215,8 +214,9 @@ class StandbyRanks:
         return pids
 
     def _all_joined(self, ahead: _Ahead) -> bool:
+        """Whether every member said JOINED within JOIN_LIMIT_S (once per set: a launch takes it or lets it go)."""
         deadline = time.monotonic() + JOIN_LIMIT_S
-        for pid in set(ahead.members) - ahead.joined:
+        for pid in ahead.members:
             ours = self._waiting[pid]
             try:
                 ours.settimeout(max(0.0, deadline - time.monotonic()))
@@ -227,7 +227,6 @@ class StandbyRanks:
                 ours.settimeout(None)
             if said != JOINED:
                 return False
-            ahead.joined.add(pid)
         return True
 
     def hand_over(self, spec: Any, fds: RankFds) -> int | None:
@@ -316,7 +315,6 @@ class StandbyRanks:
             except ChildProcessError:  # the serve loop reaped it first
                 pass
         ahead.members.clear()
-        ahead.joined.clear()
 
 
 def _wait_for_spec(theirs: socket.socket) -> tuple[Any, RankFds] | None:
