@@ -141,34 +141,40 @@ def joined() -> bool:
     return process_group.joined_ahead()
 
 
-@pytest.mark.parametrize("change", ["three ranks", "a torch variable", "its own port"])
-def test_a_launch_unlike_the_last_lets_the_members_go_and_its_ranks_join_at_launch(
-        change: str, kernel_env: dict[str, str]) -> None:
+@pytest.fixture
+def members() -> set[int]:
+    """The pids of the two children waiting, after a launch like :func:`launch`'s: its group's members."""
     shared_helper()
     launch()
-    members = {p.pid for p in waiting_children(2)}
-    options: dict[str, Any] = {}
-    if change == "three ranks":
-        options["num_processes"] = 3
-    elif change == "a torch variable":
-        kernel_env["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read by torch.distributed while a rank joins
-    else:
-        options["master_port"] = free_port()
-    if change == "three ranks":
-        result = accelnb.launch(joined, num_processes=3, cpu=True, quiet=True, collect="all", timeout=120)
-        assert result.values == {0: False, 1: False, 2: False}
-    else:
-        found = launch(**options)
-        assert not ahead(found)
-        assert not {v["pid"] for v in found.values()} & members
+    return {p.pid for p in waiting_children(2)}
+
+
+def test_a_launch_of_another_size_lets_the_members_go_and_its_ranks_join_at_launch(members: set[int]) -> None:
+    result = accelnb.launch(joined, num_processes=3, cpu=True, quiet=True, collect="all", timeout=120)
+    assert result.values == {0: False, 1: False, 2: False}
     assert all(gone(pid) for pid in members)
-    if change == "a torch variable":  # alike again: the members joined with the variable the ranks have
-        waiting_children(2)
-        found = launch()
-        assert ahead(found) and found[0]["log_level"] == "ERROR"
-    if change == "its own port":  # on a port of the user's, no group ahead: the next such launch forks or
-        waiting_children(2)       # takes waiting children, which join at launch
-        assert not ahead(launch(master_port=free_port()))
+
+
+def test_a_changed_torch_variable_lets_the_members_go_and_the_next_members_join_with_it(
+        members: set[int], kernel_env: dict[str, str]) -> None:
+    kernel_env["TORCH_CPP_LOG_LEVEL"] = "ERROR"  # read by torch.distributed while a rank joins
+    found = launch()
+    assert not ahead(found)
+    assert not {v["pid"] for v in found.values()} & members
+    assert all(gone(pid) for pid in members)
+    waiting_children(2)  # alike again: the new members joined with the variable the ranks have
+    found = launch()
+    assert ahead(found) and found[0]["log_level"] == "ERROR"
+
+
+def test_a_launch_on_a_port_of_the_users_lets_the_members_go_and_makes_no_bet(members: set[int]) -> None:
+    found = launch(master_port=free_port())
+    assert not ahead(found)
+    assert not {v["pid"] for v in found.values()} & members
+    assert all(gone(pid) for pid in members)
+    # The next such launch most likely chooses a port again: the children that wait join at launch.
+    waiting_children(2)
+    assert not ahead(launch(master_port=free_port()))
 
 
 def barrier_alone(seconds_apart: float) -> None:
