@@ -119,7 +119,7 @@ def join_ahead(rank: int, world_size: int, port: int, listen_fd: int | None, pre
     timeout = _timeout_asked()
     group_store = dist.PrefixStore(prefix, store)
     _torchs_init_process_group(dist)("gloo", store=group_store, rank=rank, world_size=world_size,
-             **({} if timeout is None else {"timeout": timeout}))
+                                     **({} if timeout is None else {"timeout": timeout}))
     _wait_until_every_rank_joined(group_store, world_size)
     _joined_ahead = _JoinedAhead(rank, world_size, port, store, listen_fd, timeout)
 
