@@ -17,6 +17,7 @@ from accelnb.kernel.planning.inventory import Inventory
 from accelnb.kernel.planning.rank_environment import DEVICE_ENV
 from accelnb.kernel.planning.rank_plan import plan
 from accelnb.kernel.watched_state.selection import clear_selection, set_selection
+from accelnb.wire.spec import MAX_LOCAL_RANKS
 from accelnb.worker import cell_runner
 
 EIGHT = synthetic_inventory(8)
@@ -78,6 +79,13 @@ def test_num_processes_without_gpus_plans_cpu_ranks_on_gloo() -> None:
     assert [r.device for r in p.ranks] == ["cpu", "cpu"]
     assert p.backend == "gloo"
     assert p.ranks[1].env["CUDA_VISIBLE_DEVICES"] == ""
+
+
+def test_more_ranks_than_one_machine_takes_are_refused_before_anything_opens() -> None:
+    assert len(plan(num_processes=MAX_LOCAL_RANKS, inventory=NONE, cpu=True).ranks) == MAX_LOCAL_RANKS
+    with pytest.raises(LaunchConfigError, match=f"{MAX_LOCAL_RANKS + 1} ranks on this machine: accelnb starts at "
+                                                f"most {MAX_LOCAL_RANKS} ranks on one machine"):
+        plan(num_processes=MAX_LOCAL_RANKS + 1, inventory=NONE, cpu=True)
 
 
 def test_synthetic_inventory_runs_gpu_plans_on_cpu_and_says_so() -> None:

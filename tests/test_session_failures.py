@@ -171,6 +171,66 @@ def test_an_interrupt_stops_the_cell_on_every_rank_and_keeps_the_variables(sessi
     assert session.run(os.getpid).values == {0: pids[0], 1: pids[1]}
 
 
+def save_on_sigterm(path: str) -> int:
+    """A cell that sets the usual pre-emption handler, which saves, then leaves it to the rank."""
+    import signal
+
+    import torch.distributed as dist
+
+    def save(signum: int, frame: object) -> None:
+        with open(f"{path}.{dist.get_rank()}", "w") as saved:
+            saved.write("saved")
+
+    signal.signal(signal.SIGTERM, save)
+    return os.getpid()
+
+
+def signal_handled(pid: int, signum: int) -> bool:
+    """Whether ``signum`` sent to ``pid`` has been delivered: neither the thread's nor the
+    process's pending set holds it any more."""
+    bit = 1 << (signum - 1)
+    with open(f"/proc/{pid}/status") as status:
+        pending = [int(line.split()[1], 16) for line in status if line.startswith(("SigPnd:", "ShdPnd:"))]
+    return not any(mask & bit for mask in pending)
+
+
+def test_a_ctrl_c_that_reaches_a_rank_between_calls_is_dropped_and_the_next_call_runs_whole(
+        session: Session) -> None:
+    """A rank waits for its next call in its main thread (worker/kernel_sockets.py). A SIGINT that
+    lands there, whichever thread the OS gives it to, was meant for a call that has ended: the
+    next call must neither lose its message nor be interrupted by it."""
+    pids = worker_pids(session)
+    for pid in pids:
+        os.kill(pid, signal.SIGINT)
+    deadline = time.monotonic() + 10
+    while not all(signal_handled(pid, signal.SIGINT) for pid in pids):
+        assert time.monotonic() < deadline, "the ranks did not take the SIGINT within 10 s"
+        time.sleep(0.01)
+    assert session.run(recall).values == {0: 10, 1: 11}
+    assert session.run(os.getpid).values == {0: pids[0], 1: pids[1]}  # the same processes, still serving
+    assert session.alive
+
+
+def test_sigterm_to_a_rank_between_calls_runs_the_codes_handler_then_the_rank_leaves(
+        session: Session, tmp_path: Path) -> None:
+    """A rank idle between calls waits in a read of its inbox; SIGTERM with a handler of the
+    code's own (a pre-emption save) must run that handler, then end the wait, so the rank
+    leaves instead of waiting for a call that will never come."""
+    saved = tmp_path / "saved"
+    pids = session.run(save_on_sigterm, (str(saved),), collect="all").values
+    os.kill(pids[1], signal.SIGTERM)
+    try:
+        psutil.Process(pids[1]).wait(20)
+    except psutil.TimeoutExpired:
+        pytest.fail("rank 1 kept waiting for its next call after SIGTERM")
+    assert (tmp_path / "saved.1").read_text() == "saved"
+    assert not (tmp_path / "saved.0").exists()  # rank 0 got nothing
+    with pytest.raises(RankCrashed, match="Rank 1"):
+        session.run(recall)
+    assert not session.alive
+    assert gone([pids[0], pids[1]])
+
+
 def test_a_timeout_shows_the_stacks_and_closes_the_session(session: Session) -> None:
     pids = worker_pids(session)
     with pytest.raises(LaunchTimeout) as raised:

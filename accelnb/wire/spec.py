@@ -59,16 +59,23 @@ class RankFds:
         return [self.stdout, self.stderr, self.events, self.inbox, *(() if self.store is None else (self.store,))]
 
 
+FDS_PER_RANK = 4  # RankFds without the store
+# The fds of a launch's local ranks cross in one SCM_RIGHTS message, which holds at most 253: every
+# rank's, the store's and the socket bound for the next launch's group.
+MAX_LOCAL_RANKS = (253 - 2) // FDS_PER_RANK
+
+
 def split_fds(flat: Sequence[int], specs: Sequence[WorkerSpec]) -> list[RankFds]:
     """Each spec's :class:`RankFds` from the flat list that crossed the socket (the ranks' in order)."""
-    needed = sum(5 if spec.holds_store else 4 for spec in specs)
+    needed = sum(FDS_PER_RANK + spec.holds_store for spec in specs)
     if needed != len(flat):
         raise ValueError(f"{len(flat)} fds for {len(specs)} ranks, which take {needed}")
     taken: list[RankFds] = []
     position = 0
     for spec in specs:
-        stdout, stderr, events, inbox = flat[position:position + 4]
-        store = flat[position + 4] if spec.holds_store else None
-        position += 5 if spec.holds_store else 4
+        stdout, stderr, events, inbox = flat[position:position + FDS_PER_RANK]
+        position += FDS_PER_RANK
+        store = flat[position] if spec.holds_store else None
+        position += spec.holds_store
         taken.append(RankFds(stdout, stderr, events, inbox, store))
     return taken

@@ -21,7 +21,8 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
    how a call runs, like the streams, what the code reaches the notebook through
    (``attach_to_kernel``) and the group's join (``join_the_run``), is ``worker/rank_body.py``,
    which the Ray actor (``worker/ray_rank.py``) shares: this module keeps what is a local rank's
-   own (its inbox reader, its SIGTERM that flushes first);
+   own (its inbox reader, its SIGTERM that flushes first). A SIGINT that comes after a call
+   answered was meant for that call, and is dropped (``worker/late_interrupts.py``);
 4. leaves on the kernel's Shutdown (sent once every rank answered), with ``os._exit``: the OS
    closes the group's sockets. A rank that leaves nothing behind (no process it started is left,
    no CUDA context; rank 0 stops listening on the store's port) says so first and closes its
@@ -47,9 +48,10 @@ from types import FrameType
 from typing import Any
 
 from accelnb.wire import channel
-from accelnb.wire.events import Departing, InputReply, Joined, RunCall, Shutdown, StopRequest
+from accelnb.wire.events import CallError, CallResult, Departing, InputReply, Joined, RunCall, Shutdown, StopRequest
 from accelnb.wire.spec import WorkerSpec
 from accelnb.worker import rank_input, report
+from accelnb.worker.late_interrupts import LateInterrupts
 from accelnb.worker.other_launchers import process_group
 from accelnb.worker.process_children import has_children
 from accelnb.worker.rank_body import (
@@ -70,12 +72,27 @@ LEAVING_NICENESS = 19  # the lowest priority, for a rank that departed (see _dep
 
 def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int | None) -> int:
     """Run one worker to its end; returns the exit code. Inbox and events are stream sockets."""
-    events = channel.MessageWriter(socket.socket(fileno=events_fd))
+    late_interrupts = LateInterrupts()
+    events = _EventsToKernel(socket.socket(fileno=events_fd), before_answer=late_interrupts.drop)
     try:
-        return _serve(spec, inbox_fd, events, store_fd)
+        return _serve(spec, inbox_fd, events, store_fd, late_interrupts)
     except SystemExit as leaving:  # the function's own SIGTERM handler, run between calls
         flush_streams_and_metrics()
         return leaving.code if isinstance(leaving.code, int) else int(leaving.code is not None)
+
+
+class _EventsToKernel(channel.MessageWriter):
+    """The rank's events socket, where a call's answer (its value or its error) first has the
+    SIGINTs that come after it dropped (``worker/late_interrupts.py``)."""
+
+    def __init__(self, sock: socket.socket, before_answer: Callable[[], None]) -> None:
+        super().__init__(sock)
+        self._before_answer = before_answer
+
+    def send(self, message: Any) -> None:
+        if isinstance(message, (CallResult, CallError)):
+            self._before_answer()
+        super().send(message)
 
 
 def report_setup_failure(rank: int, events_fd: int, error: BaseException) -> None:
@@ -121,7 +138,8 @@ def start_while_waiting() -> None:
     _started_while_waiting = _RankThreads.start()
 
 
-def _serve(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, store_fd: int | None) -> int:
+def _serve(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, store_fd: int | None,
+           late_interrupts: LateInterrupts) -> int:
     threads = _started_while_waiting if _started_while_waiting is not None else _RankThreads.start()
     try:
         _set_up(spec, inbox_fd, events, store_fd, threads)
@@ -133,13 +151,12 @@ def _serve(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, store
 
     exit_code = 0
     while True:
-        try:
-            command = threads.commands.get()
-        except KeyboardInterrupt:
-            continue  # an interrupt meant for a call that had already finished here
+        late_interrupts.drop()  # before the first call too: the launch's interrupt came too late
+        command = threads.commands.get()
         if command is None or isinstance(command, Shutdown):
             break
         assert isinstance(command, RunCall)
+        late_interrupts.restore()
         succeeded = run_call(spec.rank, command, events)
         command = None  # its arguments' shared pages go now, not when the next call comes
         if not spec.persistent:

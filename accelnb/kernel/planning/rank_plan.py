@@ -56,7 +56,7 @@ from dataclasses import dataclass, field, replace
 from accelnb.errors import GpuSelectionError, LaunchConfigError
 from accelnb.kernel.planning.inventory import GpuInfo, Inventory
 from accelnb.kernel.planning.rank_environment import RankOptions, RankPlace, rank_environment
-from accelnb.wire.spec import LOOPBACK
+from accelnb.wire.spec import LOOPBACK, MAX_LOCAL_RANKS
 
 GpuSpec = str | int | Sequence[int | str] | None
 
@@ -201,6 +201,11 @@ def plan(
     on_gpus = selected is not None and not simulated
     count = len(selected) // gpus_per_rank if selected is not None else num_processes
     assert count is not None, "cpu ranks need num_processes (checked by LaunchOptions)"
+    if count > MAX_LOCAL_RANKS:
+        raise LaunchConfigError(
+            f"{count} ranks on this machine: accelnb starts at most {MAX_LOCAL_RANKS} ranks on one machine (the "
+            f"channels of a launch's ranks reach its helper process in one message). Ask for at most "
+            f"{MAX_LOCAL_RANKS}, or spread the ranks over several machines with cluster=\"ray\".")
     ranks = tuple(_rank_spec(local_rank, count, selected, on_gpus, gpus_per_rank) for local_rank in range(count))
     return LaunchPlan(ranks, _choose_backend(backend, on_gpus), simulated_gpus=simulated).with_environments()
 
