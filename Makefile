@@ -20,10 +20,10 @@ typecheck: setup
 	.venv/bin/mypy benchmarks/*.py  # they call accelnb's insides: a changed signature fails here, not in a run
 
 # Two test files at a time on a 2-core machine (a test waits on kernels and ranks as much as it
-# computes: 24 minutes one at a time, 19-22 two at a time; three at a time took 20, and a test
-# that then allowed a launch 1 s failed), at most four on a bigger one (each worker starts kernels that
-# import torch). A file stays on one worker: its module fixtures (a Ray
-# cluster, a kernel) start once. The longest files go first (tests/conftest.py, LONGEST_FILES_FIRST).
+# computes: on a 2-core AMD EPYC VM 24 minutes one at a time, 19-22 two at a time, 10.5 on an
+# Intel Xeon one; three at a time took 20, and a test that then allowed a launch 1 s failed), at
+# most four on a bigger one (each worker starts kernels that import torch). A file stays on one
+# worker: its module fixtures (a Ray cluster, a kernel) start once. The longest files go first (tests/conftest.py, LONGEST_FILES_FIRST).
 test: setup lint typecheck
 	$(PY) -m pytest -q -n auto --maxprocesses 4 --dist loadfile --no-loadscope-reorder --durations=25  # the slowest tests, to keep `make test` near 12 minutes
 
