@@ -49,3 +49,16 @@ def test_other_threads_run_the_block_as_it_is() -> None:
     thread.start()
     thread.join()
     assert ran == [True]
+
+
+def test_a_second_interrupt_goes_through_where_the_block_allows_it() -> None:
+    """Writing a call to the ranks holds the first Ctrl-C; a second is raised at once, so a user
+    can always get out of a write to a rank too frozen to read it."""
+    reached: list[str] = []
+    with pytest.raises(KeyboardInterrupt), held_interrupts(second_one_goes_through=True):
+        signal.raise_signal(signal.SIGINT)
+        reached.append("after the first")
+        signal.raise_signal(signal.SIGINT)
+        reached.append("after the second")
+    assert reached == ["after the first"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back, raised once

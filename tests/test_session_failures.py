@@ -15,6 +15,7 @@ built in one ``%%distributed`` cell is kept for the next.
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 import time
@@ -229,6 +230,63 @@ def test_sigterm_to_a_rank_between_calls_runs_the_codes_handler_then_the_rank_le
         session.run(recall)
     assert not session.alive
     assert gone([pids[0], pids[1]])
+
+
+def count_a_cell(step: int) -> int:
+    import sys
+
+    sys._accelnb_test_count = getattr(sys, "_accelnb_test_count", 0) + 1  # type: ignore[attr-defined]
+    return step
+
+
+def every_rank_in_the_group() -> int:
+    import torch
+    import torch.distributed as dist
+
+    ones = torch.ones(1)
+    dist.all_reduce(ones)
+    return int(ones.item())
+
+
+def test_ctrl_c_at_random_moments_of_cells_never_loses_the_session(session: Session) -> None:
+    """60 cells, each with a Ctrl-C at a random moment of its few milliseconds: while it is sent,
+    while the ranks set it up, run it, answer, or after. Each cell ends or is interrupted, and the
+    session always goes on with the same ranks, which agree on how many cells they ran. Before,
+    such a Ctrl-C closed the session (cut between two ranks' frames, or an answer read and then
+    dropped), killed a rank (landing after its answer), or left a lock of a rank's taken, and
+    the next cell waited forever."""
+    pids = worker_pids(session)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    chosen = random.Random(35)
+    interrupted = 0
+
+    def unless_interrupted(step: Callable[[], object]) -> object:
+        while True:  # a Ctrl-C that comes after the cell ended lands here
+            try:
+                return step()
+            except KeyboardInterrupt:
+                continue
+
+    try:
+        for cell in range(60):
+            ctrl_c = threading.Timer(chosen.uniform(0, 0.004), os.kill, (os.getpid(), signal.SIGINT))
+            try:
+                ctrl_c.start()
+                got = session.run(count_a_cell, (cell,)).values
+                assert got == {0: cell, 1: cell}, got
+            except RunInterrupted as stopped:
+                assert "the session and its variables are kept" in str(stopped), str(stopped)
+                interrupted += 1
+            except KeyboardInterrupt:
+                pass  # it landed in the test, around the cell
+            unless_interrupted(ctrl_c.cancel)
+            unless_interrupted(ctrl_c.join)
+            assert unless_interrupted(lambda: session.run(every_rank_in_the_group).values) == {0: 2, 1: 2}
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert session.alive
+    assert session.run(os.getpid).values == {0: pids[0], 1: pids[1]}
+    assert interrupted > 0, "no Ctrl-C landed in a cell: the test checked nothing"
 
 
 def test_a_timeout_shows_the_stacks_and_closes_the_session(session: Session) -> None:

@@ -1,4 +1,4 @@
-"""Hold a Ctrl-C while a new fd is being handed to its owner, then deliver it.
+"""Hold a Ctrl-C while a new fd is being handed to its owner, or a call to the ranks, then deliver it.
 
 CPython checks for signals right after a call into C returns. ``os.pipe()``, ``memfd_create``
 and ``recvmsg`` hand back bare fds, so an interrupt can surface as ``KeyboardInterrupt`` before
@@ -12,6 +12,11 @@ recorded; it is raised when the block ends, once the fds have an owner.
     ...     read_end, write_end = os.pipe()
     ...     owned = [read_end, write_end]        # an interrupt here waits until this line ran
     >>> for fd in owned: os.close(fd)
+
+The kernel also holds a Ctrl-C while it writes a call to a session's ranks
+(``kernel/run/group/rank_inboxes.py``): cut between two ranks' frames, the call would run on some
+ranks only, and the session would have to be closed. Held, it interrupts the call once every rank
+has it, and the session goes on.
 
 Only the main thread gets ``KeyboardInterrupt`` (and ``signal.signal`` works only there): in any
 other thread the block runs as it is. Workers use it too, for the same fds on their side.
@@ -27,8 +32,12 @@ from types import FrameType
 
 
 @contextmanager
-def held_interrupts() -> Iterator[None]:
-    """Defer SIGINT's handler to the end of the block (main thread only)."""
+def held_interrupts(second_one_goes_through: bool = False) -> Iterator[None]:
+    """Defer SIGINT's handler to the end of the block (main thread only).
+
+    ``second_one_goes_through``: for a block that is quick unless something else is stuck
+    (writing a call to ranks that read it): a second Ctrl-C while the first is held raises at once,
+    so a user can always get out."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -36,14 +45,18 @@ def held_interrupts() -> Iterator[None]:
 
     def remember(signum: int, frame: FrameType | None) -> None:
         came.append(frame)
+        if second_one_goes_through and len(came) == 2:
+            signal.signal(signal.SIGINT, previous)
+            _deliver(previous, frame)
 
     previous = signal.signal(signal.SIGINT, remember)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
-        if came:
-            _deliver(previous, came[0])
+        if signal.getsignal(signal.SIGINT) is remember:
+            signal.signal(signal.SIGINT, previous)
+            if came:
+                _deliver(previous, came[0])
 
 
 def _deliver(handler: object, frame: FrameType | None) -> None:

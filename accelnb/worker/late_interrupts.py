@@ -1,47 +1,108 @@
-"""A SIGINT that reaches a local rank after its call answered: dropped, not raised.
+"""What a SIGINT does in a local rank, at each point of a call: interrupt the code, wait, or nothing.
 
 The kernel interrupts the call it waits for (Ctrl-C, the stop button) with SIGINT to every rank
-that runs it. When a rank has just answered, the signal can still arrive: the kernel had not yet
-read the answer when it sent it. Raised there, the ``KeyboardInterrupt`` ended the rank on its way
-back to waiting (the session then lost it: "exited with code 70"), or interrupted the next call.
-So from the moment a call's answer starts out until the next call arrives, SIGINT runs a handler
-that does nothing; the call gets the rank's own handler back (Python's, or one an earlier call
-set).
+that runs it. Raised anywhere but in the code and the pickling of its value, the
+``KeyboardInterrupt`` did harm:
 
-    >>> late = LateInterrupts()
-    >>> late.drop()       # the answer goes out (main thread): SIGINT is too late from here
-    >>> late.restore()    # the next call is here: SIGINT interrupts it again
+- after the rank answered (the kernel had not yet read the answer when it sent the signal), it
+  ended the rank on its way back to waiting (a session then lost it: "exited with code 70"), or
+  interrupted the next call;
+- in accelnb's own work around the code, it could leave a lock of ours taken (between a lock's
+  acquire and its ``with``): the next call's ``rank_stop.begin_call`` then waited forever.
+
+So the rank's SIGINT handler is ours (:class:`RankInterrupts`), set once, and what it does is a
+mode, switched by plain assignments (no system call on a call's path):
+
+- ``held`` while accelnb sets a call up and tears it down: remembered, raised once the code runs
+  (or, after it, while its value is pickled: an interrupt of the call either way);
+- ``raised`` while the code and the pickling run: what the rank's own handler does (Python's
+  ``KeyboardInterrupt``, or a handler the code set, which is kept for the next calls);
+- ``dropped`` from the moment the answer starts out until the next call: too late, ignored.
+
+    >>> interrupts = RankInterrupts()      # doctest: +SKIP  (the rank's main thread)
+    >>> interrupts.hold(); interrupts.allow(); interrupts.drop()      # doctest: +SKIP
 """
 
 from __future__ import annotations
 
 import signal
-import threading
 from collections.abc import Callable
 from types import FrameType
-from typing import Any
+from typing import Any, Literal, Protocol
+
+Mode = Literal["held", "raised", "dropped"]
 
 
-class LateInterrupts:
-    """Drops SIGINT between a call's answer and the next call, in the main thread."""
+class CallInterrupts(Protocol):
+    """How ``run_call`` tells the rank's SIGINT where the call is."""
 
-    def __init__(self) -> None:
-        self._calls_handler: Callable[[int, FrameType | None], Any] | int | None = None  # while dropping
-        self._dropping = False
+    def hold(self) -> None: ...
+
+    def allow(self) -> None: ...
+
+    def drop(self) -> None: ...
+
+
+class NoInterruptControl:
+    """For a rank whose calls are not interrupted by SIGINT (a Ray actor's: an asynchronous
+    exception in its call thread, ``worker/ray_rank.py``)."""
+
+    def hold(self) -> None:
+        pass
+
+    def allow(self) -> None:
+        pass
 
     def drop(self) -> None:
-        """From now until :meth:`restore`; idempotent, and a no-op off the main thread (only it
-        runs calls, and only it may set a handler)."""
-        if not self._dropping and threading.current_thread() is threading.main_thread():
-            self._calls_handler = signal.signal(signal.SIGINT, _too_late)
-            self._dropping = True
-
-    def restore(self) -> None:
-        """The next call runs: SIGINT does to it what the rank's own handler does."""
-        if self._dropping:
-            signal.signal(signal.SIGINT, self._calls_handler)
-            self._dropping = False
+        pass
 
 
-def _too_late(signum: int, frame: FrameType | None) -> None:
-    """SIGINT between calls: meant for a call that had already answered here."""
+class RankInterrupts:
+    """A local rank's SIGINT handler and its mode; made in the rank's main thread."""
+
+    def __init__(self) -> None:
+        self._mode: Mode = "raised"  # the rank's set-up: an interrupt there ends it, as it always did
+        self._held: list[FrameType | None] = []
+        self._code_handler: Callable[[int, FrameType | None], Any] | int | None = signal.getsignal(signal.SIGINT)
+        signal.signal(signal.SIGINT, self._heard)
+
+    def hold(self) -> None:
+        """accelnb's own work around the code. Only the main thread switches modes: Python runs
+        a signal's handler in the main thread at its next step, so a SIGINT that came while the
+        rank waited between calls is handled (dropped) before the mode that follows."""
+        self._mode = "held"
+
+    def allow(self) -> None:
+        """The code runs: a SIGINT held meanwhile is raised now."""
+        self._mode = "raised"
+        if self._held:
+            frame = self._held[0]
+            self._held.clear()
+            self._act(frame)
+
+    def drop(self) -> None:
+        """The answer starts out: from here until the next call a SIGINT is too late. A handler
+        the code set in its place is kept for the next calls, and ours goes back."""
+        self._mode = "dropped"
+        self._held.clear()
+        current = signal.getsignal(signal.SIGINT)
+        if current != self._heard:
+            self._code_handler = current
+            signal.signal(signal.SIGINT, self._heard)
+
+    def _heard(self, signum: int, frame: FrameType | None) -> None:
+        if self._mode == "held":
+            self._held.append(frame)
+        elif self._mode == "raised":
+            self._act(frame)
+
+    def _act(self, frame: FrameType | None) -> None:
+        """What the rank's own handler does with a SIGINT."""
+        handler = self._code_handler
+        if callable(handler):
+            handler(signal.SIGINT, frame)
+        elif handler == signal.SIG_DFL:
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            signal.raise_signal(signal.SIGINT)
+        # SIG_IGN, or None (a handler set from C): nothing happens
+

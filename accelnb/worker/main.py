@@ -22,7 +22,8 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
    (``attach_to_kernel``) and the group's join (``join_the_run``), is ``worker/rank_body.py``,
    which the Ray actor (``worker/ray_rank.py``) shares: this module keeps what is a local rank's
    own (its inbox reader, its SIGTERM that flushes first). A SIGINT that comes after a call
-   answered was meant for that call, and is dropped (``worker/late_interrupts.py``);
+   answered was meant for that call, and is dropped; one during accelnb's own work around the
+   code waits for the code (``worker/late_interrupts.py``);
 4. leaves on the kernel's Shutdown (sent once every rank answered), with ``os._exit``: the OS
    closes the group's sockets. A rank that leaves nothing behind (no process it started is left,
    no CUDA context; rank 0 stops listening on the store's port) says so first and closes its
@@ -51,7 +52,7 @@ from accelnb.wire import channel
 from accelnb.wire.events import CallError, CallResult, Departing, InputReply, Joined, RunCall, Shutdown, StopRequest
 from accelnb.wire.spec import WorkerSpec
 from accelnb.worker import rank_input, report
-from accelnb.worker.late_interrupts import LateInterrupts
+from accelnb.worker.late_interrupts import RankInterrupts
 from accelnb.worker.other_launchers import process_group
 from accelnb.worker.process_children import has_children
 from accelnb.worker.rank_body import (
@@ -72,27 +73,40 @@ LEAVING_NICENESS = 19  # the lowest priority, for a rank that departed (see _dep
 
 def worker_main(spec: WorkerSpec, inbox_fd: int, events_fd: int, store_fd: int | None) -> int:
     """Run one worker to its end; returns the exit code. Inbox and events are stream sockets."""
-    late_interrupts = LateInterrupts()
-    events = _EventsToKernel(socket.socket(fileno=events_fd), before_answer=late_interrupts.drop)
+    events = _EventsToKernel(socket.socket(fileno=events_fd))
     try:
-        return _serve(spec, inbox_fd, events, store_fd, late_interrupts)
+        return _serve(spec, inbox_fd, events, store_fd)
     except SystemExit as leaving:  # the function's own SIGTERM handler, run between calls
         flush_streams_and_metrics()
         return leaving.code if isinstance(leaving.code, int) else int(leaving.code is not None)
 
 
 class _EventsToKernel(channel.MessageWriter):
-    """The rank's events socket, where a call's answer (its value or its error) first has the
-    SIGINTs that come after it dropped (``worker/late_interrupts.py``)."""
+    """The rank's events socket, which counts the calls' answers (their values or errors)."""
 
-    def __init__(self, sock: socket.socket, before_answer: Callable[[], None]) -> None:
+    def __init__(self, sock: socket.socket) -> None:
         super().__init__(sock)
-        self._before_answer = before_answer
+        self.answers_sent = 0
 
     def send(self, message: Any) -> None:
-        if isinstance(message, (CallResult, CallError)):
-            self._before_answer()
         super().send(message)
+        if isinstance(message, (CallResult, CallError)):
+            self.answers_sent += 1
+
+
+def _run_call_and_answer(rank: int, call: RunCall, events: _EventsToKernel, interrupts: RankInterrupts) -> bool:
+    """``run_call``, with an answer whenever the kernel's Ctrl-C lands. ``run_call`` answers one
+    that interrupts the code or the pickling of its value, holds those that come during its own
+    work and drops those that come once its answer starts out; one that still escapes it (a
+    second, while an interrupted pickling is reported) is the call's answer."""
+    answers_before = events.answers_sent
+    try:
+        return run_call(rank, call, events, interrupts)
+    except KeyboardInterrupt as interrupt:
+        interrupts.drop()
+        if events.answers_sent == answers_before:
+            events.send(describe_error(rank, call.call_id, interrupt))
+        return False
 
 
 def report_setup_failure(rank: int, events_fd: int, error: BaseException) -> None:
@@ -117,15 +131,17 @@ class _RankThreads:
     inbox_fds: queue.Queue[int]  # the inbox reader's socket, once the rank has one
     flushing: threading.Event  # the flusher flushes from then on: the rank's streams are installed
     flusher_stop: threading.Event
+    interrupts: RankInterrupts  # what a SIGINT does at each point of a call
 
     @classmethod
     def start(cls) -> _RankThreads:
         commands: queue.Queue[Any] = queue.Queue()
         departing, flushing, inbox_fds = threading.Event(), threading.Event(), queue.Queue[int]()
         terminating = _flush_before_dying_of_sigterm(wake=lambda: commands.put(None))
+        interrupts = RankInterrupts()  # this is the main thread: the only one that may set a handler
         _start_inbox_reader(inbox_fds, commands, departing)
         flusher_stop = start_flusher(begin=flushing)
-        return cls(commands, departing, terminating, inbox_fds, flushing, flusher_stop)
+        return cls(commands, departing, terminating, inbox_fds, flushing, flusher_stop, interrupts)
 
 
 _started_while_waiting: _RankThreads | None = None  # in a waiting child, the threads it started
@@ -138,8 +154,7 @@ def start_while_waiting() -> None:
     _started_while_waiting = _RankThreads.start()
 
 
-def _serve(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, store_fd: int | None,
-           late_interrupts: LateInterrupts) -> int:
+def _serve(spec: WorkerSpec, inbox_fd: int, events: _EventsToKernel, store_fd: int | None) -> int:
     threads = _started_while_waiting if _started_while_waiting is not None else _RankThreads.start()
     try:
         _set_up(spec, inbox_fd, events, store_fd, threads)
@@ -148,16 +163,15 @@ def _serve(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, store
         events.send(describe_error(spec.rank, None, error))
         return 1
     events.send(Joined(spec.rank))
+    threads.interrupts.drop()  # until the first call: the launch's interrupt came too late
 
     exit_code = 0
     while True:
-        late_interrupts.drop()  # before the first call too: the launch's interrupt came too late
         command = threads.commands.get()
         if command is None or isinstance(command, Shutdown):
             break
         assert isinstance(command, RunCall)
-        late_interrupts.restore()
-        succeeded = run_call(spec.rank, command, events)
+        succeeded = _run_call_and_answer(spec.rank, command, events, threads.interrupts)
         command = None  # its arguments' shared pages go now, not when the next call comes
         if not spec.persistent:
             exit_code = 0 if succeeded else 1

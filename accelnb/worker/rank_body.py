@@ -43,6 +43,7 @@ from accelnb.wire.events import CallError, CallResult, RunCall
 from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_kernel
 from accelnb.wire.spec import WorkerSpec
 from accelnb.worker import library_progress, rank_debugger, rank_input, report, restarts, step_timing
+from accelnb.worker.late_interrupts import CallInterrupts, NoInterruptControl
 from accelnb.worker.other_launchers import launches_inside, process_group
 from accelnb.worker.stopping import accelerate_trigger, rank_stop
 
@@ -120,41 +121,57 @@ def compile_in_process() -> None:
         setattr(inductor_config, "compile_threads", max(1, int(threads)))  # noqa: B010  (mypy cannot see torch config attributes)
 
 
-def run_call(rank: int, call: RunCall, events: channel.MessageWriter) -> bool:
-    """Run one call; True when it returned normally and its value (if wanted) went back."""
+NO_INTERRUPT_CONTROL = NoInterruptControl()
+
+
+def run_call(rank: int, call: RunCall, events: channel.MessageWriter,
+             interrupts: CallInterrupts = NO_INTERRUPT_CONTROL) -> bool:
+    """Run one call; True when it returned normally and its value (if wanted) went back.
+
+    A Ctrl-C (a local rank's SIGINT, ``worker/late_interrupts.py``) interrupts the code, or the
+    pickling of its value; accelnb's own work before and after the code holds it until the code
+    or the pickling runs, and once the answer starts out it is too late."""
     value = None
-    _register_sources(call.sources)
-    process_group.ensure_default_group()  # a session's earlier call may have destroyed it
-    agreeing = "stop_agreement" not in pieces_off()
-    if agreeing:
-        rank_stop.begin_call(call.call_id)
     try:
+        interrupts.hold()
+        _register_sources(call.sources)
+        process_group.ensure_default_group()  # a session's earlier call may have destroyed it
+        agreeing = "stop_agreement" not in pieces_off()
+        if agreeing:
+            rank_stop.begin_call(call.call_id)
         # Big arguments are rebuilt over the shared pages the kernel wrote once for all ranks,
         # mapped copy-on-write: this rank may write into them without affecting anyone else.
         fn, args, kwargs = buffers.load(call.payload)
+        interrupts.allow()
         returned = False
         try:
             value = fn(*args, **kwargs)
             returned = True
         finally:
+            interrupts.hold()
             rank_debugger.leave_debugger()
             if agreeing:
                 rank_stop.end_call(returned)
+        interrupts.allow()
     except BaseException as error:
         if not (isinstance(error, SystemExit) and error.code in (0, None)):
-            flush_streams_and_metrics()
-            events.send(describe_error(rank, call.call_id, error))
+            _answer(events, describe_error(rank, call.call_id, error), interrupts)
             return False
     try:
         data = dumps_for_kernel(value) if rank in call.value_ranks else None
     except BaseException as error:  # an interrupt while pickling is an interrupt of the call
-        flush_streams_and_metrics()
-        events.send(_unsendable_value(rank, call.call_id, value, error) if isinstance(error, Exception)
-                    else describe_error(rank, call.call_id, error))
+        _answer(events, _unsendable_value(rank, call.call_id, value, error) if isinstance(error, Exception)
+                else describe_error(rank, call.call_id, error), interrupts)
         return False
-    flush_streams_and_metrics()
-    events.send(CallResult(rank, call.call_id, data))
+    _answer(events, CallResult(rank, call.call_id, data), interrupts)
     return True
+
+
+def _answer(events: channel.MessageWriter, answer: CallResult | CallError, interrupts: CallInterrupts) -> None:
+    """What the code printed and reported first, then the call's answer; a Ctrl-C is too late now."""
+    interrupts.drop()
+    flush_streams_and_metrics()
+    events.send(answer)
 
 
 def _register_sources(sources: tuple[tuple[str, str], ...]) -> None:

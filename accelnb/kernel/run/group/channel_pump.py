@@ -161,22 +161,29 @@ class ChannelPump:
             return self._read_events(channels, fd, on_event)
         if self._pipe_scratch is None:
             self._pipe_scratch = bytearray(PIPE_READ_BYTES)
-        try:
-            size = os.readv(fd, [self._pipe_scratch])
-        except BlockingIOError:
-            return False
+        with held_interrupts():  # what was read reaches the router before a Ctrl-C may surface
+            try:
+                size = os.readv(fd, [self._pipe_scratch])
+            except BlockingIOError:
+                return False
+            if size:
+                with memoryview(self._pipe_scratch) as scratch:
+                    self.output.feed(channels.rank, name, bytes(scratch[:size]))
         if not size:
             self._unwatch(fd)
             return False
-        with memoryview(self._pipe_scratch) as scratch:
-            self.output.feed(channels.rank, name, bytes(scratch[:size]))
         return True
 
     def _read_events(self, channels: RankChannels, fd: int, on_event: EventHandler) -> bool:
         assert channels.events is not None
         try:
-            with held_interrupts():  # received fds: queued before a Ctrl-C may surface
+            # What was read is handled before a Ctrl-C may surface: the fds it brought are queued,
+            # and no event is lost (a rank's answer read but dropped left a session's interrupt
+            # waiting for it, and the session closed).
+            with held_interrupts():
                 events = channels.event_reader.receive_from(channels.events)
+                for event in events or ():
+                    on_event(channels.rank, event)
         except BlockingIOError:
             return False
         except ConnectionResetError:
@@ -184,8 +191,6 @@ class ChannelPump:
         if events is None:
             self._unwatch(fd)
             return False
-        for event in events:
-            on_event(channels.rank, event)
         return True
 
     def all_closed(self, rank: int) -> bool:

@@ -3,14 +3,15 @@
 
 A call is one frame for all ranks (its big buffers are written once, each rank maps them); a
 reply or ``Shutdown`` is one small frame for one rank. :class:`RankInboxes` also keeps how far the
-current call got (:attr:`~RankInboxes.phase`): an interrupt that lands while a frame is being
-written leaves half a frame in an inbox, and such inboxes take nothing more
-(:attr:`~RankInboxes.half_written`), so the group cannot go on.
+current call got (:attr:`~RankInboxes.phase`). A Ctrl-C while a call is written waits until every
+rank has it whole, then interrupts it as a running call; only what gets through anyway (a second
+Ctrl-C, for a rank too frozen to read) leaves half a frame in an inbox, and such inboxes take
+nothing more (:attr:`~RankInboxes.half_written`), so the group cannot go on.
 
     >>> inboxes = RankInboxes(on_step=None)                                         # doctest: +SKIP
     >>> inboxes.send_call(call_id, payload, value_ranks, [c.inbox, ...], every_rank=True)  # doctest: +SKIP
     >>> inboxes.phase                                                                # doctest: +SKIP
-    'sending'
+    'running'
 
 The call carries the notebook's cell sources that not every rank has yet
 (:mod:`accelnb.kernel.run.cell_sources`).
@@ -33,7 +34,7 @@ class RankInboxes:
     """Writes to the ranks' inboxes, and what an interrupted write left behind."""
 
     def __init__(self, on_step: StepHook | None = None) -> None:
-        self.phase: CallPhase = "unsent"  # of the current call; the group sets "running" once sent
+        self.phase: CallPhase = "unsent"  # of the current call; "running" once every frame is out
         self.half_written = False  # an interrupted write left half a frame in an inbox
         self._sources_sent: set[str] = set()  # notebook cell sources every rank has (cell_sources.py)
         self._on_step = on_step
@@ -44,7 +45,10 @@ class RankInboxes:
         on every rank, so every rank has its cell sources afterwards."""
         sources = in_memory_sources(already_sent=self._sources_sent)
         call = RunCall(call_id, payload, frozenset(value_ranks), sources=sources)
-        with encode(call) as frame:
+        # A Ctrl-C waits until every rank has the call whole (writing it takes microseconds unless
+        # a rank is frozen: a second Ctrl-C goes through), then interrupts the running call. Cut
+        # between two frames, the call would run on some ranks only: the session would be lost.
+        with encode(call) as frame, held_interrupts(second_one_goes_through=True):
             for inbox in inboxes:
                 self._step("call-writing")
                 self.phase = "sending"
@@ -54,9 +58,10 @@ class RankInboxes:
                 except (BrokenPipeError, ConnectionResetError):
                     pass  # it died already; its exit report explains why
                 self.half_written = False
-        if every_rank:  # a --ranks call gave them to some ranks only
-            self._sources_sent.update(filename for filename, _ in sources)
-        self._step("call-sent")
+            if every_rank:  # a --ranks call gave them to some ranks only
+                self._sources_sent.update(filename for filename, _ in sources)
+            self.phase = "running"
+            self._step("call-sent")
 
     def send_reply(self, inbox: socket.socket | None, reply: InputReply) -> None:
         """A rank's line for its prompt (or end of input); nothing when it cannot take it."""
