@@ -23,7 +23,7 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
    which the Ray actor (``worker/ray_rank.py``) shares: this module keeps what is a local rank's
    own (its inbox reader, its SIGTERM that flushes first). A SIGINT that comes after a call
    answered was meant for that call, and is dropped; one during accelnb's own work around the
-   code waits for the code (``worker/late_interrupts.py``);
+   code waits for the code (``worker/rank_interrupts.py``);
 4. leaves on the kernel's Shutdown (sent once every rank answered), with ``os._exit``: the OS
    closes the group's sockets. A rank that leaves nothing behind (no process it started is left,
    no CUDA context; rank 0 stops listening on the store's port) says so first and closes its
@@ -52,7 +52,6 @@ from accelnb.wire import channel
 from accelnb.wire.events import CallError, CallResult, Departing, InputReply, Joined, RunCall, Shutdown, StopRequest
 from accelnb.wire.spec import WorkerSpec
 from accelnb.worker import rank_input, report
-from accelnb.worker.late_interrupts import RankInterrupts
 from accelnb.worker.other_launchers import process_group
 from accelnb.worker.process_children import has_children
 from accelnb.worker.rank_body import (
@@ -65,6 +64,7 @@ from accelnb.worker.rank_body import (
     run_call,
     start_flusher,
 )
+from accelnb.worker.rank_interrupts import RankInterrupts
 from accelnb.worker.stopping import rank_stop
 
 SIGTERM_FLUSH_LIMIT_S = 1.0
