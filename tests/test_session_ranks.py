@@ -108,5 +108,16 @@ def test_session_run_with_ranks_from_python(no_leftovers: None) -> None:
         assert session.run(recall, ranks=[1], collect="rank0").value == 7
         with pytest.raises(LaunchConfigError, match=r"ranks=\[2\]: this session has 2 ranks"):
             session.run(recall, ranks=[2])
+        # A call's keywords are checked once while they repeat (Session._call_options); a list
+        # changed in place since, or a new bad value, is checked again, before anything runs.
+        chosen = [1]
+        assert session.run(recall, ranks=chosen, collect="rank0").value == 7
+        chosen.append(1)
+        with pytest.raises(LaunchConfigError, match="more than once"):
+            session.run(recall, ranks=chosen, collect="rank0")
+        assert session.run(recall, collect="rank0", timeout=30).value is None
+        assert session.run(recall, collect="rank0", timeout=30).value is None
+        with pytest.raises(LaunchConfigError, match="timeout"):
+            session.run(recall, collect="rank0", timeout=-1)
         assert session.alive
     assert worker_processes() == []
