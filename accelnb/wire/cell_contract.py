@@ -17,12 +17,13 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any
 
-from accelnb.wire.buffers import Packed
+from accelnb.wire.buffers import Packed, plain_record
 
 # What a cell brings back unless --return-limit says otherwise (``worker/return_budget.py``).
 DEFAULT_RETURN_LIMIT = 256 * 2**20
 
 
+@plain_record
 @dataclass(frozen=True)
 class CellRequest:
     source: str  # the cell body, without the %%distributed line
@@ -35,6 +36,7 @@ class CellRequest:
     reply_rank: int = 0  # the rank whose value and names come back (the first of --ranks)
 
 
+@plain_record
 @dataclass
 class CellOutcome:
     last_value: Packed | None = None  # pickled for the kernel; its buffers travel in shared memory
@@ -45,6 +47,7 @@ class CellOutcome:
     unwrapped: list[str] = field(default_factory=list)  # DDP models sent back as their .module
 
 
+@plain_record
 @dataclass(frozen=True)
 class WorkerFunction:
     """A worker-side function named by its module and name: pickled as these two strings, it
