@@ -1,14 +1,23 @@
-"""A Ctrl-C that lands while a fresh fd has no owner yet is held until it has one."""
+"""A Ctrl-C that lands while a fresh fd has no owner yet is held until it has one.
+
+The same inside a route (``routed_interrupts``, the kernel's whole call), where one handler of
+ours stays in place and holds and changes of SIGINT's meaning set no handler; a subprocess shows
+that a route leaves SIGINT's default (death by the signal) as it was.
+"""
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
+from types import FrameType
+from typing import Any
 
 import pytest
 
-from accelnb.wire.held_interrupts import held_interrupts
+from accelnb.wire.held_interrupts import held_interrupts, routed_interrupts, sigint_goes_to
 
 
 def test_an_interrupt_inside_the_block_is_raised_when_the_block_ends() -> None:
@@ -62,3 +71,91 @@ def test_a_second_interrupt_goes_through_where_the_block_allows_it() -> None:
         reached.append("after the second")
     assert reached == ["after the first"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back, raised once
+
+
+def test_inside_a_route_a_hold_sets_no_handler_and_raises_at_its_end() -> None:
+    with routed_interrupts():
+        route = signal.getsignal(signal.SIGINT)
+        assert route is not signal.default_int_handler  # the route's one handler
+        reached = []
+        with pytest.raises(KeyboardInterrupt), held_interrupts():
+            assert signal.getsignal(signal.SIGINT) is route  # no handler of its own
+            signal.raise_signal(signal.SIGINT)
+            reached.append("held")
+            with held_interrupts():  # nested: still held, delivered once, at the outer end
+                signal.raise_signal(signal.SIGINT)
+            reached.append("after the inner block")
+        assert reached == ["held", "after the inner block"]
+        with pytest.raises(KeyboardInterrupt):  # outside a hold, it raises at once
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # put back
+
+
+def test_inside_a_route_a_second_interrupt_goes_through_once() -> None:
+    reached: list[str] = []
+    with routed_interrupts():
+        with pytest.raises(KeyboardInterrupt), held_interrupts(second_one_goes_through=True):
+            signal.raise_signal(signal.SIGINT)
+            reached.append("after the first")
+            signal.raise_signal(signal.SIGINT)
+            reached.append("after the second")
+        with held_interrupts():  # the first was delivered with the second: none is left over
+            reached.append("next hold")
+    assert reached == ["after the first", "next hold"]
+
+
+def test_sigint_goes_to_changes_its_meaning_with_or_without_a_route() -> None:
+    heard: list[str] = []
+
+    def counting(previous: Any) -> Any:
+        def on_interrupt(signum: int, frame: FrameType | None) -> None:
+            heard.append("press" if previous is signal.default_int_handler else "other")
+        return on_interrupt
+
+    with sigint_goes_to(counting):  # no route: a handler of its own
+        signal.raise_signal(signal.SIGINT)
+    with routed_interrupts():
+        route = signal.getsignal(signal.SIGINT)
+        with sigint_goes_to(counting):
+            assert signal.getsignal(signal.SIGINT) is route  # only the route's target changed
+            signal.raise_signal(signal.SIGINT)
+            with held_interrupts():  # held, then given to the handler of the moment
+                signal.raise_signal(signal.SIGINT)
+                assert heard == ["press", "press"]
+        assert heard == ["press", "press", "press"]
+        with pytest.raises(KeyboardInterrupt):  # its meaning before, once the block ended
+            signal.raise_signal(signal.SIGINT)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_route_leaves_an_ignored_or_default_sigint_as_it_was() -> None:
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        with routed_interrupts(), held_interrupts():
+            signal.raise_signal(signal.SIGINT)
+        assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    code = ("import signal\n"
+            "from accelnb.wire.held_interrupts import held_interrupts, routed_interrupts\n"
+            "signal.signal(signal.SIGINT, signal.SIG_DFL)\n"
+            "with routed_interrupts(), held_interrupts():\n"
+            "    signal.raise_signal(signal.SIGINT)\n"
+            "    print('held', flush=True)\n"
+            "print('not reached', flush=True)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGINT, done.stderr
+    assert done.stdout == "held\n"
+
+
+def test_a_route_in_another_thread_changes_nothing() -> None:
+    seen: list[Any] = []
+
+    def body() -> None:
+        with routed_interrupts(), held_interrupts():
+            seen.append(signal.getsignal(signal.SIGINT))
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    thread.join()
+    assert seen == [signal.default_int_handler]

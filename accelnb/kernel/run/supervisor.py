@@ -78,6 +78,7 @@ from accelnb.kernel.run.group.stop_presses import announce_request
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import Departing, InputReply, InputRequest, Joined
 from accelnb.wire.group_ahead import GroupAhead
+from accelnb.wire.held_interrupts import routed_interrupts
 from accelnb.wire.spec import WorkerSpec
 
 FAILURE_GRACE_S = 3.0  # between SIGTERM and SIGKILL when a rank failed, or the call timed out
@@ -201,13 +202,16 @@ class WorkerGroup:
         source: StopSource = "interrupt"
         ending: Ending
         try:
-            self._pump(0, answers)  # the helper or a rank may have died since the last call
-            if self._helper_death is None:
-                self._send_call(answers, payload, value_ranks)
-            self._inboxes.phase = "running"
-            run = self.run
-            waited = self._calls.wait(answers, timeout, run.take_stop_press if run is not None else None,
-                                      stall_timeout, stop_grace)
+            # One SIGINT handler for the call: its holds (writing the call, each read) and the
+            # Stop press's meaning cost no system call (wire/held_interrupts.py).
+            with routed_interrupts():
+                self._pump(0, answers)  # the helper or a rank may have died since the last call
+                if self._helper_death is None:
+                    self._send_call(answers, payload, value_ranks)
+                self._inboxes.phase = "running"
+                run = self.run
+                waited = self._calls.wait(answers, timeout, run.take_stop_press if run is not None else None,
+                                          stall_timeout, stop_grace)
             if waited == "stop_requested":
                 ending, source = "interrupted", "stop_request"
             else:

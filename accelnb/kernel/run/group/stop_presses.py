@@ -32,7 +32,6 @@ inboxes, sends the request, so a press can never land half-way through writing a
 from __future__ import annotations
 
 import signal
-import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,6 +40,7 @@ from typing import Literal
 
 from accelnb.kernel.display.output import OutputRouter, notebook_sink
 from accelnb.kernel.run import run_state
+from accelnb.wire.held_interrupts import Handler, sigint_goes_to
 
 STOP_BUTTON = "the stop button"
 PANEL_STOP = "a panel's Stop"
@@ -128,29 +128,25 @@ class StopPresses:
         """While the call waits: the first SIGINT becomes a press when ``can_request()`` (the code
         checks) and nothing asked yet; any other SIGINT interrupts as it always did. Only the main
         thread can set a signal handler: from another thread, SIGINT keeps its meaning."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = signal.getsignal(signal.SIGINT)
 
-        def on_interrupt(signum: int, frame: FrameType | None) -> None:
-            if self.asked_at is None and self._pressed is None and can_request():
-                self._pressed = STOP_BUTTON
-                return
-            if self._pressed is not None or self._echoes_the_request():
-                return  # the same click, arriving twice
-            if previous == signal.SIG_IGN:
-                return
-            if callable(previous) and previous is not signal.default_int_handler:
-                previous(signum, frame)
-                return
-            raise KeyboardInterrupt
+        def handler_for(previous: Handler) -> Handler:
+            def on_interrupt(signum: int, frame: FrameType | None) -> None:
+                if self.asked_at is None and self._pressed is None and can_request():
+                    self._pressed = STOP_BUTTON
+                    return
+                if self._pressed is not None or self._echoes_the_request():
+                    return  # the same click, arriving twice
+                if previous == signal.SIG_IGN:
+                    return
+                if callable(previous) and previous is not signal.default_int_handler:
+                    previous(signum, frame)
+                    return
+                raise KeyboardInterrupt
 
-        signal.signal(signal.SIGINT, on_interrupt)
-        try:
+            return on_interrupt
+
+        with sigint_goes_to(handler_for):
             yield
-        finally:
-            signal.signal(signal.SIGINT, previous)
 
 
 def announce_request(output: OutputRouter, run: run_state.RunState | None, by: str) -> None:
