@@ -7,7 +7,7 @@ import ast
 
 import pytest
 
-from accelnb.wire.cell_analysis import assigned_names, used_names
+from accelnb.wire.cell_analysis import assigned_names, names_bound_by, used_names
 
 CELLS = {
     "training loop": (
@@ -62,3 +62,11 @@ def test_assigned_names_are_the_top_level_ones_in_order() -> None:
     assert assigned_names(CELLS["training loop"]) == ["model", "epoch", "loss"]
     assert assigned_names(CELLS["functions and comprehensions"]) == ["train", "scale"]
     assert assigned_names("import os\nfrom x import y\n(z := 3)\nclass K: attr = 1") == ["z", "K"]
+
+
+@pytest.mark.parametrize("source", CELLS.values(), ids=CELLS.keys())
+def test_a_rank_finds_the_same_names_in_the_tree_it_runs(source: str) -> None:
+    """A rank parses the cell once, shifted a line down (the magic's line), and reads the names
+    from that tree."""
+    tree = ast.parse("\n" + source, "<cell In[1]>")
+    assert names_bound_by(tree.body) == assigned_names(source)

@@ -48,8 +48,13 @@ def used_names(source: str) -> frozenset[str]:
 
 def assigned_names(source: str) -> list[str]:
     """Names bound at the cell's top level, in order, excluding imports (modules stay home)."""
+    return names_bound_by(_parsed(source).body)
+
+
+def names_bound_by(statements: list[ast.stmt]) -> list[str]:
+    """:func:`assigned_names` of a tree parsed already (a rank parses the cell to run it)."""
     names: dict[str, None] = {}
-    for statement in _parsed(source).body:
+    for statement in statements:
         for name in _bound_by(statement):
             names.setdefault(name)
     return list(names)
