@@ -26,7 +26,8 @@ means while it waits (a Stop press). Each of those setting a handler and putting
 took 12 ``signal.signal``/``getsignal`` calls a cell (8 µs a hold: both convert every handler to an
 enum), 54 µs of the kernel's CPU per cell between cells. Inside :func:`routed_interrupts` (the
 kernel's whole call) one handler of ours stays in place: a hold is a counter, and
-:func:`sigint_goes_to` changes where SIGINT goes without telling the OS.
+:func:`sigint_goes_to` changes where SIGINT goes without telling the OS. Module-level state:
+``_route``, the route in place; a process has one SIGINT handler, so at most one route.
 
     >>> with routed_interrupts():
     ...     with held_interrupts():
