@@ -82,6 +82,8 @@ def test_cycles_and_values_past_the_check_limit_still_pickle() -> None:
     assert rebuilt[1] is rebuilt
     wide = {str(index): [index] for index in range(PLAIN_CHECK_LIMIT * 2)}
     assert load(dump(wide)) == wide
+    long = list(range(1_000_000))  # past the limit by its length alone: never walked
+    assert load(dump([long, {"n": long}])) == [long, {"n": long}]
 
 
 def test_a_packed_value_with_buffers_is_never_copied_in_band() -> None:

@@ -128,9 +128,10 @@ Record = TypeVar("Record", bound=type)
 _PLAIN_ATOMS = frozenset({type(None), bool, int, float, complex, str, bytes})
 _PLAIN_CONTAINERS = frozenset({tuple, list, set, frozenset})
 _PLAIN_RECORDS: set[type] = set()
-# Objects looked at before a value counts as too big to be worth the check (the pickling then
-# takes longer than the look anyway); a cycle ends there too.
-PLAIN_CHECK_LIMIT = 256
+# Objects looked at, atoms included, before a value counts as too big to be worth the check (the
+# pickling then takes longer than the look anyway): a list of ten million ints is not walked and
+# copied before it is pickled. A cycle ends there too.
+PLAIN_CHECK_LIMIT = 1024
 
 
 def plain_record(kind: Record) -> Record:
@@ -145,25 +146,30 @@ def _is_plain(value: Any) -> bool:
     """Whether ``value`` is plain data throughout (see the module docstring), within
     :data:`PLAIN_CHECK_LIMIT` objects."""
     pending = [value]
-    looked_at = 0
+    looked_at = 1
     while pending:
         item = pending.pop()
         kind = type(item)
         if kind in _PLAIN_ATOMS:
             continue
-        looked_at += 1
-        if looked_at > PLAIN_CHECK_LIMIT:
-            return False
-        if kind in _PLAIN_CONTAINERS:
-            pending.extend(item)
-        elif kind is dict:
-            pending.extend(item.keys())
-            pending.extend(item.values())
+        if kind in _PLAIN_CONTAINERS or kind is dict:
+            looked_at += len(item) * (2 if kind is dict else 1)  # before anything is copied
+            if looked_at > PLAIN_CHECK_LIMIT:
+                return False
+            if kind is dict:
+                pending.extend(item.keys())
+                pending.extend(item.values())
+            else:
+                pending.extend(item)
         elif kind is Packed:  # without buffers: its pickle's bytes, and nothing out of band
             if item.buffers:
                 return False
         elif kind in _PLAIN_RECORDS and hasattr(item, "__dict__"):
-            pending.extend(vars(item).values())
+            attributes = vars(item)
+            looked_at += len(attributes)
+            if looked_at > PLAIN_CHECK_LIMIT:
+                return False
+            pending.extend(attributes.values())
         else:
             return False
     return True

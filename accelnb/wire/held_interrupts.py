@@ -79,15 +79,25 @@ def routed_interrupts() -> Iterator[None]:
     """One SIGINT handler for the whole block, through which the holds and handler changes inside
     it cost no system call. SIGINT means inside what it meant before, unless changed by
     :func:`sigint_goes_to`. Nested, or outside the main thread: the block runs as it is."""
-    global _route
-    if _route is not None or not _on_main_thread():
+    with _route_in_place():
         yield
+
+
+@contextmanager
+def _route_in_place() -> Iterator[_Route | None]:
+    """The route in place, or one put in place for the block; None outside the main thread."""
+    global _route
+    if not _on_main_thread():
+        yield None
+        return
+    if _route is not None:
+        yield _route
         return
     route = _Route()
     route.target = signal.signal(signal.SIGINT, route)
     _route = route
     try:
-        yield
+        yield route
     finally:
         _route = None
         previous = route.target
@@ -100,38 +110,30 @@ def sigint_goes_to(handler_for: Callable[[Handler], Handler]) -> Iterator[None]:
     """SIGINT goes to ``handler_for(previous)`` while the block runs (``previous``: where it went
     before), then where it went before; inside a route, without a system call. Main thread only:
     elsewhere the block runs as it is."""
-    if not _on_main_thread():
-        yield
-        return
-    route = _route
-    if route is not None:
+    with _route_in_place() as route:
+        if route is None:
+            yield
+            return
         previous = route.target
         route.target = handler_for(previous)
         try:
             yield
         finally:
             route.target = previous
-        return
-    previous = signal.getsignal(signal.SIGINT)
-    signal.signal(signal.SIGINT, handler_for(previous))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 @contextmanager
 def held_interrupts(second_one_goes_through: bool = False) -> Iterator[None]:
-    """Defer SIGINT's handler to the end of the block (main thread only).
+    """Defer SIGINT's handler to the end of the block (main thread only): the route's, or one put
+    in place for the block.
 
     ``second_one_goes_through``: for a block that is quick unless something else is stuck
     (writing a call to ranks that read it): a second Ctrl-C while the first is held raises at once,
     so a user can always get out."""
-    if not _on_main_thread():
-        yield
-        return
-    route = _route
-    if route is not None:
+    with _route_in_place() as route:
+        if route is None:
+            yield
+            return
         route.holds += 1
         outer_wish, route.second_goes_through = route.second_goes_through, second_one_goes_through
         try:
@@ -143,23 +145,6 @@ def held_interrupts(second_one_goes_through: bool = False) -> Iterator[None]:
                 frame = route.kept[0]
                 route.kept.clear()
                 _deliver(route.target, frame)
-        return
-    came: list[FrameType | None] = []
-
-    def remember(signum: int, frame: FrameType | None) -> None:
-        came.append(frame)
-        if second_one_goes_through and len(came) == 2:
-            signal.signal(signal.SIGINT, previous)
-            _deliver(previous, frame)
-
-    previous = signal.signal(signal.SIGINT, remember)
-    try:
-        yield
-    finally:
-        if signal.getsignal(signal.SIGINT) is remember:
-            signal.signal(signal.SIGINT, previous)
-            if came:
-                _deliver(previous, came[0])
 
 
 def _deliver(handler: object, frame: FrameType | None) -> None:
