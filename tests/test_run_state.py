@@ -63,6 +63,25 @@ def test_a_loop_that_wakes_a_little_early_still_gets_the_full_rate() -> None:
     assert len(calls) >= 150  # not every other wake-up (which would halve the rate)
 
 
+def test_a_round_that_ran_late_is_never_followed_at_once() -> None:
+    """On schedule, a round late by nearly an interval used to leave the next one due a moment
+    later: two rounds within a millisecond."""
+    clock = SteppingClock()
+    hooks = WaitHooks(rate=16, clock=clock)
+    calls: list[float] = []
+    hooks.add(lambda: calls.append(clock.now))
+
+    assert hooks.run()
+    clock.now += 1 / 16 + 1 / 16 * 0.95  # the next round, late by 95 % of an interval
+    assert hooks.run()
+    for _ in range(800):  # a flood of wake-ups from then on (0.2 s)
+        clock.now += 2**-12
+        hooks.run()
+    assert len(calls) > 3
+    gaps = [b - a for a, b in itertools.pairwise(calls)]
+    assert min(gaps) >= 1 / 16 * WaitHooks.SPACING - 2**-12
+
+
 def test_after_a_pause_hooks_run_at_once_and_never_in_a_burst() -> None:
     clock = SteppingClock()
     hooks = WaitHooks(rate=16, clock=clock)
