@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 import threading
+from types import FrameType
 
 import numpy as np
 
@@ -64,3 +66,31 @@ def test_a_frame_over_the_inline_limit_brings_its_memfd_and_leaves_no_fd_behind(
     assert (first, last, end) == (("before", 0), ("after", 1), None)
     assert np.array_equal(shared["array"], array)
     assert set(os.listdir("/proc/self/fd")) <= before  # the memfd was closed once mapped
+
+
+def test_messages_come_back_whole_while_a_profiler_keeps_every_frame() -> None:
+    """A frame kept after it returns (a sampling profiler, a debugger, a signal handler) keeps
+    its view of the reader's buffer: the buffer cannot be resized, and the messages of the read
+    must come back all the same. Before, the read raised ``BufferError`` and lost them: a rank's
+    answer, and with it a session (tests/test_session_failures.py)."""
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    messages: list[object] = [("first", 1), {"second": [2, 2]}, "third"]
+    writer = MessageWriter(theirs)
+    for message in messages:
+        writer.send(message)  # all three are in the socket: the first read brings them together
+    theirs.close()
+    kept: list[FrameType] = []
+
+    def keep_frames(frame: FrameType, event: str, arg: object) -> None:
+        if event == "return":
+            kept.append(frame)
+
+    receiver = MessageReceiver(ours)
+    sys.setprofile(keep_frames)
+    try:
+        received = [receiver.receive() for _ in range(len(messages) + 1)]
+    finally:
+        sys.setprofile(None)
+    ours.close()
+    assert kept, "the profiler saw no frame: the test checked nothing"
+    assert received == [*messages, None]

@@ -4,6 +4,7 @@ this process's main thread, which stands for a rank's."""
 from __future__ import annotations
 
 import signal
+import weakref
 from collections.abc import Iterator
 
 import pytest
@@ -54,3 +55,24 @@ def test_a_handler_the_code_set_is_kept_for_the_next_calls(interrupts: RankInter
     interrupts.allow()
     signal.raise_signal(signal.SIGINT)
     assert heard == [signal.SIGINT]
+
+
+class _Local:
+    """A local of the frame a SIGINT lands in, whose end the test watches."""
+
+
+def _set_up_that_is_interrupted(freed: list[bool]) -> None:
+    local = _Local()
+    weakref.finalize(local, freed.append, True)
+    signal.raise_signal(signal.SIGINT)  # heard here: the handler is given this frame
+
+
+def test_a_held_interrupt_keeps_nothing_of_the_frame_it_landed_in(interrupts: RankInterrupts) -> None:
+    """The call's set-up frame (its arguments, a view of the inbox's buffer) goes when it returns,
+    although the interrupt waits for the code."""
+    freed: list[bool] = []
+    interrupts.hold()
+    _set_up_that_is_interrupted(freed)
+    assert freed == [True]
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.allow()

@@ -15,12 +15,15 @@ built in one ``%%distributed`` cell is kept for the next.
 from __future__ import annotations
 
 import os
+import pickle
 import random
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from types import FrameType
 
 import psutil
 import pytest
@@ -287,6 +290,38 @@ def test_ctrl_c_at_random_moments_of_cells_never_loses_the_session(session: Sess
     assert session.alive
     assert session.run(os.getpid).values == {0: pids[0], 1: pids[1]}
     assert interrupted > 0, "no Ctrl-C landed in a cell: the test checked nothing"
+
+
+def test_a_ctrl_c_while_the_kernel_decodes_an_answer_keeps_the_session(session: Session) -> None:
+    """The moment the test above hit on faster machines (once in CI, then every run on an EPYC):
+    the Ctrl-C lands while the kernel decodes a rank's answer. Its handler was given the decoding
+    frame and kept it until delivery, and the frame's view of the channel's buffer made the buffer
+    impossible to resize: the answer was lost, the interrupted call waited for it, and the
+    session was closed. Here a profiler sends the Ctrl-C as the first decode returns."""
+    pids = worker_pids(session)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    pressed: list[bool] = []
+
+    def ctrl_c_as_a_decode_returns(frame: FrameType, event: str, arg: object) -> None:
+        if event == "c_return" and arg is pickle.loads and not pressed:
+            pressed.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # handled at the decoding frame's next step
+
+    message = ""
+    try:
+        sys.setprofile(ctrl_c_as_a_decode_returns)
+        try:
+            session.run(count_a_cell, (0,))
+        except RunInterrupted as stopped:
+            message = str(stopped)
+        finally:
+            sys.setprofile(None)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert pressed, "no answer was decoded: the test checked nothing"
+    assert "the session and its variables are kept" in message, message
+    assert session.run(every_rank_in_the_group).values == {0: 2, 1: 2}
+    assert session.run(os.getpid).values == {0: pids[0], 1: pids[1]}
 
 
 def test_a_timeout_shows_the_stacks_and_closes_the_session(session: Session) -> None:

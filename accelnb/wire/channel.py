@@ -176,7 +176,14 @@ class MessageReader:
                 break
             with memoryview(self._buffer) as whole:
                 messages.append(self._decode(whole[_LENGTH.size:end]))
-            del self._buffer[:end]
+            try:
+                del self._buffer[:end]
+            except BufferError:
+                # A view of the buffer outlived the decoding: a frame of it that someone keeps (a
+                # sampling profiler, a debugger, a signal handler) holds its locals. Resizing
+                # is refused, and the message just decoded would be lost with the exception;
+                # the rest moves to a buffer of its own instead.
+                self._buffer = self._buffer[end:]
         return messages
 
     def close(self) -> None:

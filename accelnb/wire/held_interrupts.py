@@ -48,22 +48,28 @@ Handler = Any
 
 
 class _Route:
-    """SIGINT's handler while a route is in place: each SIGINT goes on to ``target``, or is kept
-    while a :func:`held_interrupts` block inside runs."""
+    """SIGINT's handler while a route is in place: each SIGINT goes on to ``target``, or is
+    counted while a :func:`held_interrupts` block inside runs.
+
+    Only the count is kept, never the frame the SIGINT landed in: a kept frame keeps its locals
+    alive after it returns. One landed while the kernel decoded a rank's answer, and the
+    memoryview of the channel's buffer that the decoding frame held made the buffer impossible to
+    resize (``BufferError``): the answer was lost, and the session closed for want of it. A held
+    SIGINT reaches its handler with ``frame=None``, as Python allows."""
 
     def __init__(self) -> None:
         self.target: Handler = None
         self.holds = 0  # held_interrupts blocks running (nested ones count too)
         self.second_goes_through = False  # the innermost hold's wish
-        self.kept: list[FrameType | None] = []
+        self.heard = 0  # SIGINTs that came during the holds, not yet delivered
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         if not self.holds:
             _deliver(self.target, frame)
             return
-        self.kept.append(frame)
-        if self.second_goes_through and len(self.kept) == 2:
-            self.kept.clear()  # this one is delivered now: nothing is left for the hold's end
+        self.heard += 1
+        if self.second_goes_through and self.heard == 2:
+            self.heard = 0  # this one is delivered now: nothing is left for the hold's end
             _deliver(self.target, frame)
 
 
@@ -141,10 +147,9 @@ def held_interrupts(second_one_goes_through: bool = False) -> Iterator[None]:
         finally:
             route.holds -= 1
             route.second_goes_through = outer_wish
-            if not route.holds and route.kept:
-                frame = route.kept[0]
-                route.kept.clear()
-                _deliver(route.target, frame)
+            if not route.holds and route.heard:
+                route.heard = 0
+                _deliver(route.target, None)
 
 
 def _deliver(handler: object, frame: FrameType | None) -> None:

@@ -62,7 +62,10 @@ class RankInterrupts:
 
     def __init__(self) -> None:
         self._mode: Mode = "raised"  # the rank's set-up: an interrupt there ends it, as it always did
-        self._held: list[FrameType | None] = []
+        # Whether a SIGINT came while held. Not its frame: a kept frame keeps its locals (the
+        # call's arguments, a view of the inbox's buffer) alive after it returns
+        # (wire/held_interrupts.py says what that cost the kernel).
+        self._held = False
         self._code_handler: Callable[[int, FrameType | None], Any] | int | None = signal.getsignal(signal.SIGINT)
         signal.signal(signal.SIGINT, self._heard)
 
@@ -76,15 +79,14 @@ class RankInterrupts:
         """The code runs: a SIGINT held meanwhile is raised now."""
         self._mode = "raised"
         if self._held:
-            frame = self._held[0]
-            self._held.clear()
-            self._act(frame)
+            self._held = False
+            self._act(None)
 
     def drop(self) -> None:
         """The answer starts out: from here until the next call a SIGINT is too late. A handler
         the code set in its place is kept for the next calls, and ours goes back."""
         self._mode = "dropped"
-        self._held.clear()
+        self._held = False
         current = signal.getsignal(signal.SIGINT)
         if current != self._heard:
             self._code_handler = current
@@ -92,7 +94,7 @@ class RankInterrupts:
 
     def _heard(self, signum: int, frame: FrameType | None) -> None:
         if self._mode == "held":
-            self._held.append(frame)
+            self._held = True
         elif self._mode == "raised":
             self._act(frame)
 
