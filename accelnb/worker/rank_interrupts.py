@@ -63,7 +63,7 @@ class RankInterrupts:
     def __init__(self) -> None:
         self._mode: Mode = "raised"  # the rank's set-up: an interrupt there ends it, as it always did
         # Whether a SIGINT came while held. Not its frame: a kept frame keeps its locals (the
-        # call's arguments, a view of the inbox's buffer) alive after it returns
+        # call's arguments, the shared pages they were rebuilt over) alive after it returns
         # (wire/held_interrupts.py says what that cost the kernel).
         self._held = False
         self._code_handler: Callable[[int, FrameType | None], Any] | int | None = signal.getsignal(signal.SIGINT)
