@@ -20,6 +20,7 @@ import pytest
 import accelnb
 from accelnb import Check, DoctorReport
 from accelnb.kernel.doctor.checks import (
+    RENDEZVOUS_LOOKUP_SLOW_S,
     MachineFacts,
     ShmSpace,
     read_machine_facts,
@@ -135,6 +136,23 @@ def test_a_name_server_that_never_answers_is_found_by_the_real_lookup(tmp_path: 
     assert 0.9 < seconds < 5.0, seconds  # the resolver's 1 s wait, then its failure
     check = run_checks(replace(read_machine_facts(), rendezvous_lookup_s=seconds)).by_name("name lookup")
     assert check.status == "warn" and "/etc/hosts" in check.fix
+
+
+def test_one_lost_query_is_timed_again_and_not_taken_for_a_slow_name_server(tmp_path: Path) -> None:
+    """The first query gets no answer (the resolver waits its 1 s), every later one an answer at
+    once: the lookup is timed again, and the name server is found fast."""
+    done = run_beside_a_silent_name_server(
+        "import time\n"
+        "from accelnb.kernel.doctor.checks import time_rendezvous_lookup\n"
+        "started = time.monotonic()\n"
+        "print(time_rendezvous_lookup(wait_s=5.0), time.monotonic() - started)\n",
+        tmp_path, timeout=60, answers_after_the_first=True)
+    assert done.returncode == 0, done.stderr
+    seconds, waited = (float(word) for word in done.stdout.split()[-2:])
+    assert waited > 0.9, waited  # the first lookup did wait for the lost answer: the test tested it
+    assert seconds < RENDEZVOUS_LOOKUP_SLOW_S, seconds
+    check = run_checks(replace(read_machine_facts(), rendezvous_lookup_s=seconds)).by_name("name lookup")
+    assert check.status == "ok", check
 
 
 def test_the_real_doctor_runs_quickly_and_finds_this_machine_fit(capsys: pytest.CaptureFixture[str]) -> None:

@@ -154,3 +154,14 @@ def test_the_first_launch_names_a_name_server_that_never_answers_and_its_fix(tmp
     assert all(float(line.split()[-2]) > 0.9 for line in launched), launched  # each rank waited the resolver
     assert done.stderr.count("accelnb doctor: warn name lookup: looking up the name of ::ffff:127.0.0.1") == 1
     assert "echo '::ffff:127.0.0.1 localhost-mapped' | sudo tee -a /etc/hosts" in done.stderr
+
+
+def test_the_first_launch_says_nothing_of_a_name_server_that_lost_one_query(tmp_path: Path) -> None:
+    """The first launch's lookup loses its query and waits: once in a test suite's run on a VM
+    whose name server drops queries now and then, the quickstart notebook's first cell said that
+    every launch waits. Timed again, the name server answers at once, and nothing is said."""
+    done = run_beside_a_silent_name_server(TWO_LAUNCHES, tmp_path, answers_after_the_first=True)
+    assert done.returncode == 0, done.stderr[-4000:]
+    launched = [line for line in done.stdout.splitlines() if line.startswith("launched 2 ranks")]
+    assert len(launched) == 2, done.stdout
+    assert "name lookup" not in done.stderr, done.stderr[-4000:]

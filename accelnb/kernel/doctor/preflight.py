@@ -20,7 +20,8 @@ scan. Tests install other facts with :func:`set_facts_source` (a small ``/dev/sh
 that refuses), as they install a GPU inventory.
 
 The name lookup that torch's rendezvous store makes in every rank (``checks.MAPPED_LOOPBACK``) is
-timed at the first launch of a process only, waiting at most ``FIRST_LAUNCH_LOOKUP_WAIT_S``: 1-3 ms
+timed at the first launch of a process only, waiting at most ``FIRST_LAUNCH_LOOKUP_WAIT_S`` (twice that
+when a first answer is slow, which is timed again: ``checks.time_rendezvous_lookup``): 1-3 ms
 where a name server answers, and where none does, every launch of any launcher would wait the
 resolver's timeout in each rank, with torch's one-line warning as the only clue.
 
