@@ -65,12 +65,12 @@ class _Route:
 
     def __call__(self, signum: int, frame: FrameType | None) -> None:
         if not self.holds:
-            _deliver(self.target, frame)
+            deliver_sigint(self.target, frame)
             return
         self.heard += 1
         if self.second_goes_through and self.heard == 2:
             self.heard = 0  # this one is delivered now: nothing is left for the hold's end
-            _deliver(self.target, frame)
+            deliver_sigint(self.target, frame)
 
 
 _route: _Route | None = None  # the route in place (main thread only)
@@ -149,11 +149,12 @@ def held_interrupts(second_one_goes_through: bool = False) -> Iterator[None]:
             route.second_goes_through = outer_wish
             if not route.holds and route.heard:
                 route.heard = 0
-                _deliver(route.target, None)
+                deliver_sigint(route.target, None)
 
 
-def _deliver(handler: object, frame: FrameType | None) -> None:
-    """What SIGINT would have done under ``handler``: raise, run it, ignore, or die."""
+def deliver_sigint(handler: object, frame: FrameType | None) -> None:
+    """What SIGINT would have done under ``handler``: raise, run it, ignore, or die. Also what a
+    rank's held SIGINT does once its call's code runs (``worker/rank_interrupts.py``)."""
     if callable(handler):
         handler(signal.SIGINT, frame)
     elif handler == signal.SIG_DFL:

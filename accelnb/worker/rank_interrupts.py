@@ -30,6 +30,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any, Literal, Protocol
 
+from accelnb.wire.held_interrupts import deliver_sigint
+
 Mode = Literal["held", "raised", "dropped"]
 
 
@@ -100,11 +102,5 @@ class RankInterrupts:
 
     def _act(self, frame: FrameType | None) -> None:
         """What the rank's own handler does with a SIGINT."""
-        handler = self._code_handler
-        if callable(handler):
-            handler(signal.SIGINT, frame)
-        elif handler == signal.SIG_DFL:
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
-            signal.raise_signal(signal.SIGINT)
-        # SIG_IGN, or None (a handler set from C): nothing happens
+        deliver_sigint(self._code_handler, frame)
 
