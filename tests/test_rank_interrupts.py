@@ -1,4 +1,4 @@
-"""What a SIGINT does in a local rank at each point of a call (``worker/rank_interrupts.py``), in
+"""What a SIGINT does in a local rank at each point of a call (``worker/interactive/rank_interrupts.py``), in
 this process's main thread, which stands for a rank's."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from accelnb.worker.rank_interrupts import RankInterrupts
+from accelnb.worker.interactive.rank_interrupts import RankInterrupts
 
 
 @pytest.fixture

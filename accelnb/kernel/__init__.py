@@ -11,7 +11,7 @@
 - :mod:`accelnb.kernel.helper`: the template process the ranks fork from, and the payload it
   delivers to the ranks;
 - :mod:`accelnb.kernel.doctor`: ``accelnb.doctor()``'s checks, and the ones before every launch;
-- :mod:`accelnb.kernel.stacks`: the ranks' Python stacks as text, from faulthandler's dumps;
+- :mod:`accelnb.kernel.stacks`: the ranks' Python stacks as text, from dumps in faulthandler's format;
 - :mod:`accelnb.kernel.display`: what the user sees of a run: output, metrics, TensorBoard log,
   each rank's progress and the straggler.
 

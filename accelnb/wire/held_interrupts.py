@@ -154,7 +154,7 @@ def held_interrupts(second_one_goes_through: bool = False) -> Iterator[None]:
 
 def deliver_sigint(handler: object, frame: FrameType | None) -> None:
     """What SIGINT would have done under ``handler``: raise, run it, ignore, or die. Also what a
-    rank's held SIGINT does once its call's code runs (``worker/rank_interrupts.py``)."""
+    rank's held SIGINT does once its call's code runs (``worker/interactive/rank_interrupts.py``)."""
     if callable(handler):
         handler(signal.SIGINT, frame)
     elif handler == signal.SIG_DFL:

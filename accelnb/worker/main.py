@@ -9,7 +9,8 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
    the template forked ahead of a launch does while it waits for its spec
    (:func:`start_while_waiting`, module state ``_started_while_waiting``);
 1. takes its rank's environment (RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES, …), the kernel's cwd and
-   ``sys.path``; arms faulthandler (segfault tracebacks, SIGUSR1 stack dumps for timeouts);
+   ``sys.path``; arms its stack dumps (a crash's traceback; the stacks the kernel asks for at a
+   ``timeout=``, which the SIGTERM watcher writes: ``worker/interactive/stack_dump.py``);
 2. sets its CUDA device and joins the default process group, rendezvousing through a TCPStore
    whose listening socket the launcher already bound on 127.0.0.1 (rank 0 inherits it, so the
    port cannot be stolen and nothing listens beyond loopback), then waits until every rank has
@@ -23,7 +24,7 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
    which the Ray actor (``worker/ray_rank.py``) shares: this module keeps what is a local rank's
    own (its inbox reader, its SIGTERM that flushes first). A SIGINT that comes after a call
    answered was meant for that call, and is dropped; one during accelnb's own work around the
-   code waits for the code (``worker/rank_interrupts.py``);
+   code waits for the code (``worker/interactive/rank_interrupts.py``);
 4. leaves on the kernel's Shutdown (sent once every rank answered), with ``os._exit``: the OS
    closes the group's sockets. A rank that leaves nothing behind (no process it started is left,
    no CUDA context; rank 0 stops listening on the store's port) says so first and closes its
@@ -35,7 +36,6 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
 from __future__ import annotations
 
 import ctypes
-import faulthandler
 import os
 import queue
 import select
@@ -51,7 +51,10 @@ from typing import Any
 from accelnb.wire import channel
 from accelnb.wire.events import CallError, CallResult, Departing, InputReply, Joined, RunCall, Shutdown, StopRequest
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import rank_input, report
+from accelnb.wire.stack_signals import ASK_FOR_STACKS
+from accelnb.worker import report
+from accelnb.worker.interactive import rank_input, stack_dump
+from accelnb.worker.interactive.rank_interrupts import RankInterrupts
 from accelnb.worker.other_launchers import process_group
 from accelnb.worker.process_children import has_children
 from accelnb.worker.rank_body import (
@@ -64,7 +67,6 @@ from accelnb.worker.rank_body import (
     run_call,
     start_flusher,
 )
-from accelnb.worker.rank_interrupts import RankInterrupts
 from accelnb.worker.stopping import rank_stop
 
 SIGTERM_FLUSH_LIMIT_S = 1.0
@@ -201,9 +203,7 @@ def _set_up(spec: WorkerSpec, inbox_fd: int, events: channel.MessageWriter, stor
     chdir_quietly(spec.cwd)
     sys.path[:] = spec.sys_path
     install_streams()
-    # Straight to fd 2, which survives a user replacing sys.stderr.
-    faulthandler.enable(file=2, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=2, all_threads=True, chain=False)
+    stack_dump.arm()  # straight to fd 2, which survives a user replacing sys.stderr
     attach_to_kernel(events, spec.rank, spec.restart_count)
     threads.inbox_fds.put(inbox_fd)
     threads.flushing.set()
@@ -242,6 +242,9 @@ def _flush_before_dying_of_sigterm(wake: Callable[[], None]) -> threading.Event:
     rank starts (the mask survives ``exec``), and ``proc.terminate()`` on one would wait forever.
     (Code that takes over the wakeup fd, as asyncio's ``add_signal_handler`` does, leaves our
     handler to act alone: it runs when the main thread next runs Python.)
+
+    The same watcher writes the rank's stacks when the kernel asks for them (``ASK_FOR_STACKS``):
+    it is a thread that can take the GIL whenever the main thread lets go of it.
     """
     received = threading.Event()
     acting = threading.Lock()  # the watcher and our handler may both hear it: one acts
@@ -278,6 +281,8 @@ def _flush_before_dying_of_sigterm(wake: Callable[[], None]) -> threading.Event:
                 heard = os.read(wakeup_read, 512)  # one byte per signal that has a Python handler
             except BlockingIOError:
                 continue
+            if ASK_FOR_STACKS in heard:  # first: a timeout's stacks come before its SIGTERM
+                stack_dump.write_stacks()
             if signal.SIGTERM in heard:
                 act_on_sigterm()
 

@@ -42,9 +42,10 @@ from accelnb.wire import buffers, channel
 from accelnb.wire.events import CallError, CallResult, RunCall
 from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_kernel
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import library_progress, rank_debugger, rank_input, report, restarts, step_timing
+from accelnb.worker import library_progress, report, restarts, step_timing
+from accelnb.worker.interactive import rank_debugger, rank_input
+from accelnb.worker.interactive.rank_interrupts import CallInterrupts, NoInterruptControl
 from accelnb.worker.other_launchers import launches_inside, process_group
-from accelnb.worker.rank_interrupts import CallInterrupts, NoInterruptControl
 from accelnb.worker.stopping import accelerate_trigger, rank_stop
 
 # accelnb/ with a trailing separator: frames under it are ours, whichever subpackage.
@@ -128,7 +129,7 @@ def run_call(rank: int, call: RunCall, events: channel.MessageWriter,
              interrupts: CallInterrupts = NO_INTERRUPT_CONTROL) -> bool:
     """Run one call; True when it returned normally and its value (if wanted) went back.
 
-    A Ctrl-C (a local rank's SIGINT, ``worker/rank_interrupts.py``) interrupts the code, or the
+    A Ctrl-C (a local rank's SIGINT, ``worker/interactive/rank_interrupts.py``) interrupts the code, or the
     pickling of its value; accelnb's own work before and after the code holds it until the code
     or the pickling runs, and once the answer starts out it is too late."""
     value = None

@@ -53,7 +53,7 @@ from accelnb.wire.events import (
     StopRequest,
 )
 from accelnb.wire.spec import WorkerSpec
-from accelnb.worker import rank_input
+from accelnb.worker.interactive import rank_input
 from accelnb.worker.rank_body import (
     attach_to_kernel,
     chdir_quietly,

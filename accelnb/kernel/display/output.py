@@ -160,7 +160,7 @@ class OutputRouter:
     def hold_stderr(self, ranks: Iterable[int]) -> None:
         """Keep these ranks' stderr out of the live view until :meth:`release_stderr`.
 
-        A live stack dump (faulthandler, on stderr) must not land in the running cell; the rank's
+        A live stack dump (on stderr) must not land in the running cell; the rank's
         own stderr of that moment is given back by the caller through :meth:`show`.
         """
         for rank in ranks:

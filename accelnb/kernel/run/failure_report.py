@@ -35,7 +35,7 @@ from accelnb.wire.result_pickling import loads_in_kernel
 # The exit status of a worker whose set-up failed before it could report why: worker/template/helper.py
 # exits with 70 (os.EX_SOFTWARE) when anything before worker_main raises.
 SETUP_FAILED_EXIT_CODE = 70
-# The type a rank reports when the user typed `q` at its (Pdb) prompt (worker/rank_debugger.py).
+# The type a rank reports when the user typed `q` at its (Pdb) prompt (worker/interactive/rank_debugger.py).
 QUIT_IN_DEBUGGER = "bdb.BdbQuit"
 
 

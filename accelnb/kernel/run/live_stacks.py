@@ -8,11 +8,11 @@ launch blocks the notebook, or between cells of a persistent session::
     ...                  kwargs={"num_processes": 2}).start()                 # doctest: +SKIP
     >>> print(accelnb.stacks())                                              # doctest: +SKIP
     ── rank 0 ──
-    Current thread 0x00007f… (most recent call first):
+    Thread 0x00007f… (most recent call first):
       File "<cell 3>", line 12 in train
 
-Each rank's faulthandler prints its stacks on SIGUSR1; the supervisor reads them off the rank's
-stderr (keeping them out of the cell) and drops accelnb's own threads and frames
+Each rank prints its stacks when asked (``wire/stack_signals.py``); the supervisor reads them off
+the rank's stderr (keeping them out of the cell) and drops accelnb's own threads and frames
 (:mod:`accelnb.kernel.stacks.faulthandler_dumps`). The value is a dict, rank to stack text, that prints readably.
 """
 

@@ -1,7 +1,7 @@
 """Answering the ranks' ``input()`` and ``(Pdb)`` prompts with the kernel's own ``input()``.
 
 A rank asks for a line with an :class:`~accelnb.wire.events.InputRequest`
-(``worker/rank_input.py``); the supervisor queues it in :class:`PendingPrompts` and its wait loop
+(``worker/interactive/rank_input.py``); the supervisor queues it in :class:`PendingPrompts` and its wait loop
 asks the oldest with :func:`ask_in_kernel`, which calls ``builtins.input``. In a Jupyter kernel
 that is ipykernel's ``raw_input`` while a cell runs: called from the thread running the cell
 (where the launcher waits), it sends an ``input_request`` to the frontend, which shows its own

@@ -18,7 +18,8 @@ the piece it concerns, and what a stop means for local processes (the graces bel
   decides which exit is a failure;
 - ``channel_pump``: the channels and the selector; ``rank_inboxes``: what is written to the ranks;
 - ``call_protocol`` (shared with the Ray group): waiting for a call and ending it;
-- ``prompt_answers``: the ranks' ``input()``/pdb prompts; ``live_stack_requests``: stacks on SIGUSR1.
+- ``prompt_answers``: the ranks' ``input()``/pdb prompts; ``live_stack_requests``: the ranks'
+  stacks, asked for by signal.
 
 :meth:`WorkerGroup.call` returns a :class:`~accelnb.kernel.run.call_outcome.CallOutcome` and raises
 nothing for what happens to the ranks; :mod:`accelnb.kernel.run.engine` decides what the user sees.
@@ -32,7 +33,7 @@ Endings, all of which leave no process and no bound port behind:
   the process only exits, at the lowest priority; gloo's own listener, on a port the OS picked,
   goes with it). A session's stop waits for every exit (``await_exits``): it is no fast path;
 - a rank raised or died: all others get SIGTERM, then SIGKILL after one shared grace deadline;
-- ``timeout=`` expired: SIGUSR1 makes faulthandler print every rank's stack, then the same stop;
+- ``timeout=`` expired: every rank prints its stacks (``wire/stack_signals.py``), then the same stop;
 - the user interrupted (Ctrl-C, a panel's Stop): the same stop, faster (a persistent session
   first tries to interrupt just the cell); but when the call's code checks ``stop_requested()``,
   the first press asks the ranks to stop at their next check, and they end as they choose;

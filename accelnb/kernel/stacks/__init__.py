@@ -1,4 +1,4 @@
-"""The ranks' Python stacks as text: faulthandler's dumps, read and cleaned.
+"""The ranks' Python stacks as text: dumps in faulthandler's format, read and cleaned.
 
 - ``faulthandler_dumps``: a dump with only the user's threads and frames, told apart from stderr.
 

@@ -1,6 +1,7 @@
-"""Making faulthandler's dumps readable: only the user's threads and frames.
+"""Making dumps in faulthandler's format readable: only the user's threads and frames.
 
-A worker's dump (on SIGUSR1 for timeouts and live stacks, or on a segfault) lists accelnb's own
+A worker's dump (asked for at a timeout and for live stacks, ``worker/interactive/stack_dump.py``; or
+faulthandler's own, on a segfault) lists accelnb's own
 helper threads and the frames that lead from the helper process into the user's function. Neither
 helps anyone find a hang, so they are dropped here; everything else is kept verbatim.
 

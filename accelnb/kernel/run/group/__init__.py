@@ -18,5 +18,5 @@ do not care what runs the ranks:
   ``Shutdown``), and how far a write got;
 - ``prompt_answers``: the local ranks' ``input()``/pdb prompts, answered from the kernel's
   ``input()``;
-- ``live_stack_requests``: live stack dumps (SIGUSR1) served by whichever thread pumps the pipes.
+- ``live_stack_requests``: live stack dumps (``wire/stack_signals``) served by whichever thread pumps the pipes.
 """

@@ -1,5 +1,7 @@
-"""The local ranks' Python stacks, read while they run: SIGUSR1 makes faulthandler print each
-rank's stacks on its stderr, and whoever drives the pipes reads the dumps.
+"""The local ranks' Python stacks, read while they run: a signal makes each rank print its stacks
+on its stderr, and whoever drives the pipes reads the dumps. A rank that has not answered
+``ASK_FOR_STACKS`` within ``FALLBACK_AFTER_S`` is sent ``STACKS_WITHOUT_THE_GIL`` (why two:
+``wire/stack_signals.py``).
 
 Two uses:
 
@@ -20,7 +22,6 @@ Two uses:
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -29,9 +30,11 @@ from dataclasses import dataclass, field
 from accelnb.kernel.display.output import OutputRouter
 from accelnb.kernel.run.group.rank_processes import RankProcesses
 from accelnb.kernel.stacks.faulthandler_dumps import clean_stack_dump, split_stack_dump
+from accelnb.wire.stack_signals import ASK_FOR_STACKS, FALLBACK_AFTER_S, STACKS_WITHOUT_THE_GIL
 
 STACK_DUMP_WAIT_S = 1.0
 STACK_DUMP_QUIET_S = 0.1  # a live dump is complete once every rank wrote one and this long passed silent
+DUMP_HEADER = "most recent call first"  # in every thread's header: the rank's dump has begun
 WAIT_SLICE_S = 0.05
 
 
@@ -42,7 +45,9 @@ class _StackRequest:
     wait: float
     done: threading.Event = field(default_factory=threading.Event)
     ranks: list[int] = field(default_factory=list)  # signalled; empty until the request is served
+    asked_at: float = 0.0
     deadline: float = 0.0
+    fell_back: bool = False  # the ranks that had not answered were sent STACKS_WITHOUT_THE_GIL
     last_held: int = -1  # bytes of held stderr last seen, to tell when the dumps went quiet
     quiet_since: float = 0.0
     stacks: dict[int, str] = field(default_factory=dict)
@@ -107,8 +112,8 @@ class LiveStackRequests:
             request.ranks = self._processes.live_ranks()
             self.output.hold_stderr(request.ranks)
             for rank in request.ranks:
-                self._processes.signal(rank, signal.SIGUSR1)
-            request.deadline = now + request.wait
+                self._processes.signal(rank, ASK_FOR_STACKS)
+            request.asked_at, request.deadline = now, now + request.wait
             if not request.ranks:
                 self._finish(request)
             return
@@ -116,7 +121,10 @@ class LiveStackRequests:
         size = sum(len(text) for text in held)
         if size != request.last_held:
             request.last_held, request.quiet_since = size, now
-        every_rank_dumped = all("most recent call first" in text for text in held)
+        if not request.fell_back and now - request.asked_at >= FALLBACK_AFTER_S:
+            request.fell_back = True
+            self._fall_back(dict(zip(request.ranks, held, strict=True)))
+        every_rank_dumped = all(DUMP_HEADER in text for text in held)
         if now >= request.deadline or (every_rank_dumped and now - request.quiet_since >= STACK_DUMP_QUIET_S):
             self._finish(request)
 
@@ -134,8 +142,20 @@ class LiveStackRequests:
         marks = {rank: self.output.position(rank) for rank in ranks}
         self.output.live_ranks.clear()  # the dump goes into the exception, not also the cell
         for rank in self._processes.live_ranks():
-            self._processes.signal(rank, signal.SIGUSR1)
-        deadline = time.monotonic() + STACK_DUMP_WAIT_S
-        while time.monotonic() < deadline:
+            self._processes.signal(rank, ASK_FOR_STACKS)
+        asked_at = time.monotonic()
+        fell_back = False
+        while (now := time.monotonic()) < asked_at + STACK_DUMP_WAIT_S:
+            if not fell_back and now - asked_at >= FALLBACK_AFTER_S:
+                fell_back = True
+                self._fall_back({rank: self.output.text_since(rank, marks[rank]) for rank in ranks})
             pump(WAIT_SLICE_S)
         return {rank: clean_stack_dump(self.output.text_since(rank, marks[rank])) for rank in ranks}
+
+    def _fall_back(self, written: dict[int, str]) -> None:
+        """``STACKS_WITHOUT_THE_GIL`` to each live rank whose dump has not begun (``written``: what
+        each rank wrote to stderr since it was asked)."""
+        live = set(self._processes.live_ranks())
+        for rank, text in written.items():
+            if rank in live and DUMP_HEADER not in text:
+                self._processes.signal(rank, STACKS_WITHOUT_THE_GIL)

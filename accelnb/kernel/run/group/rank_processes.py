@@ -19,7 +19,7 @@ Exits are reported by the helper, whose socket the caller's pump reads: the ladd
 deadline passes (pumping also keeps a dying rank from blocking on a full pipe).
 
 Process groups, not pids, are signalled to end a rank, so its own children (DataLoader workers)
-go too; a rank's stack dump (SIGUSR1) or a session's interrupt (SIGINT) goes to its pid only.
+go too; a rank's stack dump (``wire/stack_signals``) or a session's interrupt (SIGINT) goes to its pid only.
 """
 
 from __future__ import annotations

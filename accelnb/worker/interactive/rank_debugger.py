@@ -1,7 +1,7 @@
 """``breakpoint()`` and ``pdb.set_trace()`` in a rank: a ``(Pdb)`` session through the notebook.
 
 :func:`attach` (worker set-up) makes ``sys.breakpointhook`` and ``pdb.Pdb`` give a
-:class:`RankPdb`, whose prompt is asked for with :func:`accelnb.worker.rank_input.ask`: the
+:class:`RankPdb`, whose prompt is asked for with :func:`accelnb.worker.interactive.rank_input.ask`: the
 launching cell shows Jupyter's input box (``[rank N] (Pdb)`` for ranks other than 0). What the
 debugger prints (the current line, ``p x``, ``where``) is gathered and sent with the next prompt,
 so it reaches the cell before the prompt whether or not the rank's output is shown live.
@@ -25,16 +25,18 @@ import bdb
 import os
 import pdb
 import sys
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any
 
 import cloudpickle
 
-from accelnb.worker import rank_input
+from accelnb.worker.interactive import rank_input
 
-# accelnb/ and cloudpickle/, with a trailing separator: frames in them are machinery, not the user's.
+# accelnb/ (this file is accelnb/worker/interactive/…) and cloudpickle/, with a trailing separator:
+# frames in them are machinery, not the user's.
 _MACHINERY_ROOTS = (
-    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+    str(Path(os.path.abspath(__file__)).parents[2]) + os.sep,
     os.path.dirname(os.path.abspath(cloudpickle.__file__)) + os.sep,
     "<frozen runpy>",
 )

@@ -62,7 +62,8 @@ def ask(prompt: str, shown_first: str = "") -> str:
     ``shown_first`` reaches the cell just before the prompt (a debugger's output).
     """
     if _events is None or _flush is None:
-        raise EOFError("this process has no forwarded input: accelnb.worker.rank_input.attach was not called")
+        raise EOFError("this process has no forwarded input: "
+                       "accelnb.worker.interactive.rank_input.attach was not called")
     with _asking:
         request_id = next(_request_ids)
         _flush()  # what the rank printed goes out before the request, so before the prompt
