@@ -8,7 +8,7 @@ launch blocks the notebook, or between cells of a persistent session::
     ...                  kwargs={"num_processes": 2}).start()                 # doctest: +SKIP
     >>> print(accelnb.stacks())                                              # doctest: +SKIP
     ── rank 0 ──
-    Thread 0x00007f… (most recent call first):
+    Main thread 0x00007f… (most recent call first):
       File "<cell 3>", line 12 in train
 
 Each rank prints its stacks when asked (``wire/stack_signals.py``); the supervisor reads them off

@@ -18,7 +18,7 @@ from pathlib import Path
 # accelnb/ (this file is accelnb/kernel/stacks/…) with a trailing separator: every frame under it is
 # ours, whichever subpackage.
 _PACKAGE_ROOT = str(Path(os.path.abspath(__file__)).parents[2]) + os.sep
-_THREAD_HEADER = re.compile(r"^(Thread 0x[0-9a-f]+|Current thread 0x[0-9a-f]+)")
+_THREAD_HEADER = re.compile(r"^(Thread|Main thread|Current thread) 0x[0-9a-f]+")
 _THREAD_RUN = re.compile(r'threading\.py", line \d+ in run$')  # Thread.run calls the thread's target
 
 

@@ -54,7 +54,10 @@ def write_stacks(fd: int = 2) -> None:
 
 
 def _thread_block(ident: int, frame: FrameType) -> str:
-    lines = [f"Thread 0x{ident:016x} (most recent call first):\n"]
+    # The main thread runs the user's code: it is named, as faulthandler names the thread that
+    # took the signal (the main one, mostly) "Current thread".
+    kind = "Main thread" if ident == threading.main_thread().ident else "Thread"
+    lines = [f"{kind} 0x{ident:016x} (most recent call first):\n"]
     current: FrameType | None = frame
     while current is not None and len(lines) <= MAX_FRAMES:
         code = current.f_code
