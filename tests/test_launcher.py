@@ -314,6 +314,29 @@ def test_os_exit_is_reported_with_its_code() -> None:
         launch(leave, num_processes=2, cpu=True, quiet=True)
 
 
+def fails_while_rank_0_waits_in_a_collective() -> None:
+    import signal
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 fails")
+    # Rank 0 outlives the SIGTERM that ends rank 1 (its own is ignored: only the SIGKILL after the
+    # grace ends it), so its barrier sees rank 1 go, and raises gloo's "Connection closed by peer".
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    dist.barrier()
+
+
+def test_a_rank_whose_collective_lost_a_peer_to_the_stop_was_stopped_and_did_not_fail() -> None:
+    with pytest.raises(RankFailed) as info:
+        launch(fails_while_rank_0_waits_in_a_collective, num_processes=2, cpu=True, quiet=True)
+    message = str(info.value)
+    assert message.startswith("Rank 1 failed: ValueError: rank 1 fails"), message
+    assert "Stopped by accelnb after the failure: rank 0." in message, message
+    assert "Also rank 0" not in message and "Connection closed by peer" not in message, message
+    wait_until_no_workers(5.0)
+
+
 def test_timeout_shows_every_ranks_stack_then_stops_all() -> None:
     def hang_in_collective() -> None:
         import time

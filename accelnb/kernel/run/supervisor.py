@@ -65,7 +65,7 @@ from accelnb.kernel.helper.client import StepHook, WorkerExit, WorkerHelper
 from accelnb.kernel.planning.rank_plan import LaunchPlan
 from accelnb.kernel.run import run_state
 from accelnb.kernel.run.call_outcome import CallOutcome, Ending, HelperExit, StopSource
-from accelnb.kernel.run.failure_report import exit_failure
+from accelnb.kernel.run.failure_report import exit_failure, is_peer_loss
 from accelnb.kernel.run.group.call_answers import CallAnswers, MetricSink, record_event
 from accelnb.kernel.run.group.call_protocol import CallProtocol, CallRanks, StopWhy
 from accelnb.kernel.run.group.channel_pump import EVERY_CHANNEL, Channel, ChannelPump
@@ -347,10 +347,15 @@ class WorkerGroup:
         answers.keep_failures(scratch, self._is_real_failure)
 
     def _is_real_failure(self, failure: RankFailure) -> bool:
-        """Exits by a signal we sent are not failures; a real failure that raced our stop still
-        counts, a crash included (a SIGKILL from outside before ours is a crash)."""
+        """Exits by a signal we sent are not failures, nor a collective that lost a peer while we
+        stopped the ranks: the peer died of our SIGTERM first (it had failed already, or waited
+        for the kernel), and gloo then raises "Connection closed by peer" in a rank that was
+        still flushing before dying of its own. A real failure that raced our stop still counts,
+        a crash included (a SIGKILL from outside before ours is a crash)."""
         process = self._processes.get(failure.rank)
-        return failure.kind == "exception" or (
+        if failure.kind == "exception":
+            return not is_peer_loss(failure)
+        return (
             failure.exit_code is not None and (process is None or not process.ended_by_us(failure.exit_code)))
 
     def _show_stall(self, quiet_for: float) -> None:
