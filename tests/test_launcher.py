@@ -334,6 +334,7 @@ def test_a_rank_whose_collective_lost_a_peer_to_the_stop_was_stopped_and_did_not
     assert message.startswith("Rank 1 failed: ValueError: rank 1 fails"), message
     assert "Stopped by accelnb after the failure: rank 0." in message, message
     assert "Also rank 0" not in message and "Connection closed by peer" not in message, message
+    assert [failure.rank for failure in info.value.failures] == [1]  # rank 0's echo is no failure
     wait_until_no_workers(5.0)
 
 

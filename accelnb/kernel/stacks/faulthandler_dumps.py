@@ -22,6 +22,11 @@ _THREAD_HEADER = re.compile(r"^(Thread|Main thread|Current thread) 0x[0-9a-f]+")
 _THREAD_RUN = re.compile(r'threading\.py", line \d+ in run$')  # Thread.run calls the thread's target
 
 
+def dump_has_begun(text: str) -> bool:
+    """Whether a rank's ``text`` holds a dump's first thread header (every one says this)."""
+    return "(most recent call first)" in text
+
+
 def split_stack_dump(text: str) -> tuple[str, str]:
     """``(dump, rest)``: faulthandler's thread blocks, and every other line, each in order.
 

@@ -29,13 +29,27 @@ from dataclasses import dataclass, field
 
 from accelnb.kernel.display.output import OutputRouter
 from accelnb.kernel.run.group.rank_processes import RankProcesses
-from accelnb.kernel.stacks.faulthandler_dumps import clean_stack_dump, split_stack_dump
+from accelnb.kernel.stacks.faulthandler_dumps import clean_stack_dump, dump_has_begun, split_stack_dump
 from accelnb.wire.stack_signals import ASK_FOR_STACKS, FALLBACK_AFTER_S, STACKS_WITHOUT_THE_GIL
 
 STACK_DUMP_WAIT_S = 1.0
 STACK_DUMP_QUIET_S = 0.1  # a live dump is complete once every rank wrote one and this long passed silent
-DUMP_HEADER = "most recent call first"  # in every thread's header: the rank's dump has begun
 WAIT_SLICE_S = 0.05
+
+
+@dataclass
+class _Fallback:
+    """When the ranks were asked for their stacks; ``STACKS_WITHOUT_THE_GIL`` is due once,
+    ``FALLBACK_AFTER_S`` later, to those whose dump has not begun."""
+
+    asked_at: float
+    sent: bool = False
+
+    def due(self, now: float) -> bool:
+        if self.sent or now - self.asked_at < FALLBACK_AFTER_S:
+            return False
+        self.sent = True
+        return True
 
 
 @dataclass
@@ -45,9 +59,8 @@ class _StackRequest:
     wait: float
     done: threading.Event = field(default_factory=threading.Event)
     ranks: list[int] = field(default_factory=list)  # signalled; empty until the request is served
-    asked_at: float = 0.0
     deadline: float = 0.0
-    fell_back: bool = False  # the ranks that had not answered were sent STACKS_WITHOUT_THE_GIL
+    fallback: _Fallback = field(default_factory=lambda: _Fallback(0.0))  # set when the ranks are asked
     last_held: int = -1  # bytes of held stderr last seen, to tell when the dumps went quiet
     quiet_since: float = 0.0
     stacks: dict[int, str] = field(default_factory=dict)
@@ -113,7 +126,7 @@ class LiveStackRequests:
             self.output.hold_stderr(request.ranks)
             for rank in request.ranks:
                 self._processes.signal(rank, ASK_FOR_STACKS)
-            request.asked_at, request.deadline = now, now + request.wait
+            request.fallback, request.deadline = _Fallback(now), now + request.wait
             if not request.ranks:
                 self._finish(request)
             return
@@ -121,10 +134,9 @@ class LiveStackRequests:
         size = sum(len(text) for text in held)
         if size != request.last_held:
             request.last_held, request.quiet_since = size, now
-        if not request.fell_back and now - request.asked_at >= FALLBACK_AFTER_S:
-            request.fell_back = True
-            self._fall_back(dict(zip(request.ranks, held, strict=True)))
-        every_rank_dumped = all(DUMP_HEADER in text for text in held)
+        if request.fallback.due(now):
+            self._send_fallback(dict(zip(request.ranks, held, strict=True)))
+        every_rank_dumped = all(map(dump_has_begun, held))
         if now >= request.deadline or (every_rank_dumped and now - request.quiet_since >= STACK_DUMP_QUIET_S):
             self._finish(request)
 
@@ -143,19 +155,17 @@ class LiveStackRequests:
         self.output.live_ranks.clear()  # the dump goes into the exception, not also the cell
         for rank in self._processes.live_ranks():
             self._processes.signal(rank, ASK_FOR_STACKS)
-        asked_at = time.monotonic()
-        fell_back = False
-        while (now := time.monotonic()) < asked_at + STACK_DUMP_WAIT_S:
-            if not fell_back and now - asked_at >= FALLBACK_AFTER_S:
-                fell_back = True
-                self._fall_back({rank: self.output.text_since(rank, marks[rank]) for rank in ranks})
+        fallback = _Fallback(time.monotonic())
+        while (now := time.monotonic()) < fallback.asked_at + STACK_DUMP_WAIT_S:
+            if fallback.due(now):
+                self._send_fallback({rank: self.output.text_since(rank, marks[rank]) for rank in ranks})
             pump(WAIT_SLICE_S)
         return {rank: clean_stack_dump(self.output.text_since(rank, marks[rank])) for rank in ranks}
 
-    def _fall_back(self, written: dict[int, str]) -> None:
+    def _send_fallback(self, written: dict[int, str]) -> None:
         """``STACKS_WITHOUT_THE_GIL`` to each live rank whose dump has not begun (``written``: what
         each rank wrote to stderr since it was asked)."""
         live = set(self._processes.live_ranks())
         for rank, text in written.items():
-            if rank in live and DUMP_HEADER not in text:
+            if rank in live and not dump_has_begun(text):
                 self._processes.signal(rank, STACKS_WITHOUT_THE_GIL)
