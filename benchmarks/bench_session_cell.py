@@ -15,6 +15,10 @@ alternate between them, so that the load of a shared machine hits all alike:
 - ``ipyparallel``: ``%%px`` + ``x = 1`` on a cluster of 2 engines (``ipp.Cluster(n=2)``), the
   tool people use for persistent engines in a notebook; blocking, as ``%%px`` is by default.
 
+Beside each cell's wall time, the CPU it cost the machine (:class:`CpuSpent`): the kernel, the
+processes under it, and this client. On a 2-core machine the wall time swings with whatever else
+runs; the CPU shows what each tool itself spends, so a change that adds work is seen at once.
+
 Session start is timed too, each from a kernel that has everything imported and (for accelnb)
 a warm template (waited for, as it is a few seconds after ``import accelnb``, when a notebook's
 next cells come): ``%distributed start --procs 2 --cpu`` against
@@ -100,12 +104,68 @@ def session_starts(kind: str, count: int) -> list[float]:
         manager.shutdown_kernel(now=True)
 
 
-def cell_round_trips(kinds: list[str], rounds: int, per_round: int) -> dict[str, list[float]]:
+class CpuSpent:
+    """CPU seconds (user and system, every thread) spent meanwhile by a kernel, by the processes
+    under it (a session's ranks and helper, ipyparallel's controller and engines), and by this
+    client. Wall times on a 2-core machine swing with whatever else runs; CPU per cell shows what
+    each tool itself costs, and what a change to it costs."""
+
+    PARTS = ("kernel", "its processes", "client")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PARTS, 0.0)
+        self.cells = 0
+
+    def add(self, before: dict[str, dict[int, float]], after: dict[str, dict[int, float]], cells: int) -> None:
+        """What ``cells`` cells spent, from two readings of :func:`cpu_now` taken around them."""
+        for part in self.PARTS:
+            # A process that ended meanwhile is missing from "after": only those in both count.
+            self.seconds[part] += sum(after[part][pid] - spent for pid, spent in before[part].items()
+                                      if pid in after[part])
+        self.cells += cells
+
+    def per_cell_ms(self, part: str) -> float:
+        return self.seconds[part] / self.cells * 1000 if self.cells else float("nan")
+
+
+def cpu_now(kernel_pid: int) -> dict[str, dict[int, float]]:
+    import psutil
+
+    kernel = psutil.Process(kernel_pid)
+    under: dict[int, float] = {}
+    for child in kernel.children(recursive=True):
+        seconds = _on_cpu(child.pid)
+        if seconds is not None:
+            under[child.pid] = seconds
+    return {"kernel": {kernel_pid: _on_cpu(kernel_pid) or 0.0}, "its processes": under,
+            "client": {os.getpid(): _on_cpu(os.getpid()) or 0.0}}
+
+
+def _on_cpu(pid: int) -> float | None:
+    """Seconds ``pid``'s live threads have run, to the nanosecond (``/proc/<pid>/task/*/schedstat``;
+    ``cpu_times`` counts in 10 ms ticks); None once the process is gone."""
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    total = 0
+    for task in tasks:
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as schedstat:
+                total += int(schedstat.read().split()[0])
+        except (OSError, ValueError, IndexError):  # the thread ended while we looked
+            pass
+    return total / 1e9
+
+
+def cell_round_trips(kinds: list[str], rounds: int, per_round: int,
+                     cpu: dict[str, CpuSpent] | None = None) -> dict[str, list[float]]:
     """Each kind's kernel, set up once; then ``rounds`` rounds of ``per_round`` cells each, the
-    kinds taking turns round by round."""
+    kinds taking turns round by round. ``cpu``: where each kind's CPU per cell is added up."""
     kernels: dict[str, tuple[Any, Any]] = {}
     numbers = itertools.count()
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    spent = cpu if cpu is not None else {}
     try:
         for kind in kinds:
             manager, client = kernels[kind] = start_kernel()
@@ -118,8 +178,10 @@ def cell_round_trips(kinds: list[str], rounds: int, per_round: int) -> dict[str,
                 run(client, CELLS[kind].format(n=next(numbers)))
         for _ in range(rounds):
             for kind in kinds:
-                client = kernels[kind][1]
+                manager, client = kernels[kind]
+                before = cpu_now(manager.provisioner.process.pid)
                 times[kind] += [run(client, CELLS[kind].format(n=next(numbers))) for _ in range(per_round)]
+                spent.setdefault(kind, CpuSpent()).add(before, cpu_now(manager.provisioner.process.pid), per_round)
         return times
     finally:
         for kind, (manager, client) in kernels.items():
@@ -145,6 +207,18 @@ def table(rows: list[tuple[str, list[float]]], scale: float, unit: str) -> list[
     return lines
 
 
+def cpu_table(rows: list[tuple[str, CpuSpent | None]]) -> list[str]:
+    parts = CpuSpent.PARTS
+    lines = ["| tool | " + " | ".join(parts) + " | all |", "| --- |" + " ---: |" * (len(parts) + 1)]
+    for name, spent in rows:
+        if spent is None or not spent.cells:
+            lines.append(f"| {name} |" + " n/a |" * (len(parts) + 1))
+            continue
+        values = [spent.per_cell_ms(part) for part in parts]
+        lines.append(f"| {name} | " + " | ".join(f"{v:.2f}" for v in values) + f" | {sum(values):.2f} |")
+    return lines
+
+
 def ratio_row(label: str, value: float | None, target: str, meets: Callable[[float], bool]) -> str:
     if value is None:
         return f"| {label} | n/a | {target} | n/a |"
@@ -166,7 +240,8 @@ def main() -> None:
         missing = "ipyparallel is not installed (`pip install ipyparallel`): its rows are n/a"
     load_before = os.getloadavg()
     began = time.monotonic()
-    cells = cell_round_trips(kinds, rounds, per_round)
+    cpu: dict[str, CpuSpent] = {}
+    cells = cell_round_trips(kinds, rounds, per_round, cpu)
     start_times = {kind: session_starts(kind, starts) for kind in ("accelnb", "ipyparallel") if kind in kinds}
     load_after = os.getloadavg()
 
@@ -195,6 +270,13 @@ def main() -> None:
         ratio_row("accelnb cell, a new name each cell / plain cell", ours_new / plain if ours_new and plain else None,
                   "≤ 1.2", lambda v: v <= 1.2),
         ratio_row("accelnb cell / %%px cell", ours / px if ours and px else None, "≤ 0.4", lambda v: v <= 0.4), "",
+        "CPU per cell (ms, every thread's time on a CPU, from `/proc/<pid>/task/*/schedstat`), over the "
+        "same cells: what each tool costs the machine, steadier than wall time on a shared machine. "
+        "\"Its processes\": a session's ranks and helper, or ipyparallel's controller and engines. The "
+        "plain cell's row is Jupyter's own cost, which every cell pays.", "",
+        *cpu_table([("plain cell", cpu.get("plain")), ("accelnb %%distributed", cpu.get("accelnb")),
+                    ("accelnb %%distributed, a new name each cell", cpu.get("accelnb_new_name")),
+                    ("ipyparallel %%px", cpu.get("ipyparallel"))]), "",
         "### 2. Session start, from a kernel with everything imported (s)", "",
         *table([("accelnb `%distributed start --procs 2 --cpu`", start_times.get("accelnb", [])),
                 ("ipyparallel `Cluster(n=2).start_and_connect_sync()`", start_times.get("ipyparallel", []))],
