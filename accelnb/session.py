@@ -200,7 +200,7 @@ class Session:
                 rss = "gone"
             line = f"  {spec.describe(self.plan.simulated_gpus)}  pid {worker.pid}  memory {rss}"
             if gpus_now is not None and spec.gpu is not None:
-                line += f"  GPU memory {_gpu_memory_of(worker.pid, spec.gpu.uuid, gpus_now)}"
+                line += f"  GPU memory {gpu_memory_of(worker.pid, spec.gpu.uuid, gpus_now)}"
             lines.append(line)
         if self._activity is not None and self._activity.counting:
             self._activity.sample()
@@ -209,7 +209,8 @@ class Session:
         return "\n".join(lines)
 
 
-def _gpu_memory_of(pid: int, gpu_uuid: str, inventory: Inventory) -> str:
+def gpu_memory_of(pid: int, gpu_uuid: str, inventory: Inventory) -> str:
+    """What ``status()`` says of the GPU memory process ``pid`` holds on the GPU ``gpu_uuid``."""
     gpu = inventory.by_uuid(gpu_uuid)
     if gpu is None:
         return "unknown (GPU not found by NVML)"

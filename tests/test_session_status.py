@@ -14,7 +14,7 @@ import pytest
 
 from accelnb import LaunchConfigError, Session
 from accelnb.kernel.planning.inventory import GpuInfo, GpuProcess, Inventory
-from accelnb.session import _gpu_memory_of
+from accelnb.session import gpu_memory_of
 from tests.conftest import worker_processes
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
@@ -30,10 +30,10 @@ def gpu(uuid: str, *processes: GpuProcess) -> GpuInfo:
 def test_gpu_memory_is_the_ranks_own_process_as_nvml_lists_it() -> None:
     inventory = Inventory(gpus=(gpu("GPU-a", GpuProcess(11, 512 * MIB), GpuProcess(12, 7 * MIB)),
                                 gpu("GPU-b", GpuProcess(13, None))))
-    assert _gpu_memory_of(11, "GPU-a", inventory) == "512 MiB of 81,559 MiB"
-    assert _gpu_memory_of(13, "GPU-b", inventory) == "in use, amount not reported by the driver, of 81,559 MiB"
-    assert _gpu_memory_of(99, "GPU-a", inventory) == "none listed for this pid of 81,559 MiB"
-    assert _gpu_memory_of(11, "GPU-gone", inventory) == "unknown (GPU not found by NVML)"
+    assert gpu_memory_of(11, "GPU-a", inventory) == "512 MiB of 81,559 MiB"
+    assert gpu_memory_of(13, "GPU-b", inventory) == "in use, amount not reported by the driver, of 81,559 MiB"
+    assert gpu_memory_of(99, "GPU-a", inventory) == "none listed for this pid of 81,559 MiB"
+    assert gpu_memory_of(11, "GPU-gone", inventory) == "unknown (GPU not found by NVML)"
 
 
 def test_a_cpu_session_lists_ranks_pids_and_host_memory() -> None:

@@ -5,12 +5,12 @@ forks, points fds 1 and 2 at the kernel's pipes, makes the
 worker a child subreaper (whatever the rank starts stays in its process tree, and the helper
 ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
 
-0. starts its threads (SIGTERM's watcher, the inbox reader, the flusher), which a child that
-   the template forked ahead of a launch does while it waits for its spec
+0. starts its threads (the signal watcher, ``worker/signal_watcher.py``; the inbox reader; the
+   flusher), which a child that the template forked ahead of a launch does while it waits for its spec
    (:func:`start_while_waiting`, module state ``_started_while_waiting``);
 1. takes its rank's environment (RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES, …), the kernel's cwd and
    ``sys.path``; arms its stack dumps (a crash's traceback; the stacks the kernel asks for at a
-   ``timeout=``, which the SIGTERM watcher writes: ``worker/interactive/stack_dump.py``);
+   ``timeout=``, which the signal watcher writes: ``worker/interactive/stack_dump.py``);
 2. sets its CUDA device and joins the default process group, rendezvousing through a TCPStore
    whose listening socket the launcher already bound on 127.0.0.1 (rank 0 inherits it, so the
    port cannot be stolen and nothing listens beyond loopback), then waits until every rank has
@@ -22,8 +22,8 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
    how a call runs, like the streams, what the code reaches the notebook through
    (``attach_to_kernel``) and the group's join (``join_the_run``), is ``worker/rank_body.py``,
    which the Ray actor (``worker/ray_rank.py``) shares: this module keeps what is a local rank's
-   own (its inbox reader, its SIGTERM that flushes first). A SIGINT that comes after a call
-   answered was meant for that call, and is dropped; one during accelnb's own work around the
+   own (its inbox reader, its signal watcher, whose SIGTERM flushes first). A SIGINT that comes
+   after a call answered was meant for that call, and is dropped; one during accelnb's own work around the
    code waits for the code (``worker/interactive/rank_interrupts.py``);
 4. leaves on the kernel's Shutdown (sent once every rank answered), with ``os._exit``: the OS
    closes the group's sockets. A rank that leaves nothing behind (no process it started is left,
@@ -35,24 +35,19 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
 
 from __future__ import annotations
 
-import ctypes
 import os
 import queue
-import select
 import signal
 import socket
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
-from types import FrameType
 from typing import Any
 
 from accelnb.wire import channel
 from accelnb.wire.events import CallError, CallResult, Departing, InputReply, Joined, RunCall, Shutdown, StopRequest
 from accelnb.wire.spec import WorkerSpec
-from accelnb.wire.stack_signals import ASK_FOR_STACKS
-from accelnb.worker import report
 from accelnb.worker.interactive import rank_input, stack_dump
 from accelnb.worker.interactive.rank_interrupts import RankInterrupts
 from accelnb.worker.other_launchers import process_group
@@ -67,9 +62,9 @@ from accelnb.worker.rank_body import (
     run_call,
     start_flusher,
 )
+from accelnb.worker.signal_watcher import watch_signals
 from accelnb.worker.stopping import rank_stop
 
-SIGTERM_FLUSH_LIMIT_S = 1.0
 LEAVING_NICENESS = 19  # the lowest priority, for a rank that departed (see _depart)
 
 
@@ -118,7 +113,7 @@ def report_setup_failure(rank: int, events_fd: int, error: BaseException) -> Non
 
 @dataclass
 class _RankThreads:
-    """What every rank starts, whichever rank it becomes: its threads (the SIGTERM watcher, the
+    """What every rank starts, whichever rank it becomes: its threads (the signal watcher, the
     inbox reader, the flusher) and what they share with the main loop. Python's ``Thread.start``
     returns once the thread ran: SIGTERM's set-up took 1.0-1.3 ms and the other two 1.3-1.4 ms
     together on 2 cores, on every launch's path when a rank started them after its spec came. A
@@ -139,7 +134,7 @@ class _RankThreads:
     def start(cls) -> _RankThreads:
         commands: queue.Queue[Any] = queue.Queue()
         departing, flushing, inbox_fds = threading.Event(), threading.Event(), queue.Queue[int]()
-        terminating = _flush_before_dying_of_sigterm(wake=lambda: commands.put(None))
+        terminating = watch_signals(wake=lambda: commands.put(None))
         interrupts = RankInterrupts()  # this is the main thread: the only one that may set a handler
         _start_inbox_reader(inbox_fds, commands, departing)
         flusher_stop = start_flusher(begin=flushing)
@@ -219,118 +214,6 @@ def _take_environment(wanted: Mapping[str, str]) -> None:
     for name, value in wanted.items():
         if os.environ.get(name) != value:
             os.environ[name] = value
-
-
-def _flush_before_dying_of_sigterm(wake: Callable[[], None]) -> threading.Event:
-    """Die of accelnb's SIGTERM only after flushing output and metrics; returns "SIGTERM came".
-
-    The supervisor SIGTERMs the other ranks when one fails; dying at once would drop what they
-    printed or reported in their last 50 ms, often the very lines that explain the failure. So
-    SIGTERM gets a handler of ours, and Python's wakeup fd tells a thread of ours the moment it
-    arrives, even while the main thread is stuck in native code (a collective). That thread
-    flushes (for at most a second: a stream could be wedged), then acts on the disposition the
-    function left:
-
-    - ours (the function set none): the process dies of SIGTERM, as it would have without us;
-    - ignored: the signal never arrives, and the supervisor's SIGKILL ends the rank after its grace;
-    - a handler of the function's own (a checkpoint on pre-emption): Python runs it in the main
-      thread, then the worker leaves instead of waiting for more work. The handler is pending
-      before the thread hears of the signal, so ``wake``, which unblocks a worker idle between
-      calls, can never let the worker leave before the handler runs.
-
-    SIGTERM is not blocked in any thread: a blocked signal stays blocked in every process the
-    rank starts (the mask survives ``exec``), and ``proc.terminate()`` on one would wait forever.
-    (Code that takes over the wakeup fd, as asyncio's ``add_signal_handler`` does, leaves our
-    handler to act alone: it runs when the main thread next runs Python.)
-
-    The same watcher writes the rank's stacks when the kernel asks for them (``ASK_FOR_STACKS``):
-    it is a thread that can take the GIL whenever the main thread lets go of it.
-    """
-    received = threading.Event()
-    acting = threading.Lock()  # the watcher and our handler may both hear it: one acts
-    wakeup_read, wakeup_write = os.pipe()
-    for fd in (wakeup_read, wakeup_write):
-        os.set_blocking(fd, False)
-
-    def act_on_sigterm() -> None:
-        if not acting.acquire(blocking=False):
-            return
-        received.set()
-        dying = signal.getsignal(signal.SIGTERM) is die_after_flushing
-        if dying:
-            report.seal()  # what the code reports from here on would miss the last flush
-        flushing = threading.Thread(target=flush_streams_and_metrics, daemon=True)
-        flushing.start()
-        flushing.join(SIGTERM_FLUSH_LIMIT_S)
-        if dying:
-            _die_of_sigterm()
-        wake()
-
-    def die_after_flushing(signum: int, frame: FrameType | None) -> None:
-        # Runs in the main thread when it next runs Python (the watcher may have acted already),
-        # and that may be in the middle of our own flush or a print, holding the lock the flush
-        # needs: acting here, the main thread would wait for the flushing thread and that thread
-        # for the main thread, until the limit ran out and the rank died with that batch unsent
-        # (a failed attempt's last reports, once in a full test run). So it acts from a thread.
-        threading.Thread(target=act_on_sigterm, name="accelnb-sigterm-act", daemon=True).start()
-
-    def watch_for_sigterm() -> None:
-        while True:
-            select.select([wakeup_read], [], [])
-            try:
-                heard = os.read(wakeup_read, 512)  # one byte per signal that has a Python handler
-            except BlockingIOError:
-                continue
-            if ASK_FOR_STACKS in heard:  # first: a timeout's stacks come before its SIGTERM
-                stack_dump.write_stacks()
-            if signal.SIGTERM in heard:
-                act_on_sigterm()
-
-    def forget_in_forked_child() -> None:
-        # A fork (a DataLoader worker) must die of SIGTERM plainly, not wake our watcher: it
-        # shares the wakeup pipe. SIGTERM stays blocked from before the fork until this is done.
-        signal.set_wakeup_fd(-1)
-        if signal.getsignal(signal.SIGTERM) is die_after_flushing:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        for fd in (wakeup_read, wakeup_write):
-            os.close(fd)
-
-    signal.set_wakeup_fd(wakeup_write, warn_on_full_buffer=False)
-    signal.signal(signal.SIGTERM, die_after_flushing)
-    _hold_sigterm_across_fork(in_child=forget_in_forked_child)
-    threading.Thread(target=watch_for_sigterm, name="accelnb-sigterm", daemon=True).start()
-    return received
-
-
-def _hold_sigterm_across_fork(in_child: Callable[[], None]) -> None:
-    """Block SIGTERM in the forking thread around ``os.fork``, until ``in_child`` has run in the
-    child: a SIGTERM sent the moment the child exists would otherwise find it still in our
-    state. The parent gets any SIGTERM meanwhile in another thread, and the child once ready."""
-    terminate = {signal.SIGTERM}
-    held = threading.local()
-
-    def before() -> None:
-        held.mask = signal.pthread_sigmask(signal.SIG_BLOCK, terminate)
-
-    def restore() -> None:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held.mask)
-
-    def in_child_then_restore() -> None:
-        in_child()
-        restore()
-
-    os.register_at_fork(before=before, after_in_parent=restore, after_in_child=in_child_then_restore)
-
-
-def _die_of_sigterm() -> None:
-    """Die of SIGTERM from any thread: ``signal.signal`` is for the main thread only, so the
-    default disposition is restored through libc, then the signal is sent to this thread."""
-    libc = ctypes.CDLL(None)
-    libc.signal.argtypes = (ctypes.c_int, ctypes.c_void_p)
-    libc.signal.restype = ctypes.c_void_p
-    libc.signal(signal.SIGTERM, None)  # SIG_DFL is the null handler
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
-    signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
 
 
 def _start_inbox_reader(inbox_fds: queue.Queue[int], commands: queue.Queue[Any], departing: threading.Event) -> None:

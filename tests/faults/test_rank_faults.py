@@ -229,12 +229,12 @@ def test_root_cause_is_the_crash_not_its_echo(tmp_path: Path, helper_pid: int,
 
 FUNCTION_HANDLER_VS_WAKE = """
 import os, signal, threading, time
-from accelnb.worker.main import _flush_before_dying_of_sigterm
+from accelnb.worker.signal_watcher import watch_signals
 
 handled = threading.Event()
 woken = []
 # The worker, idle between calls, is woken to leave; the function's handler must run first.
-_flush_before_dying_of_sigterm(wake=lambda: woken.append(handled.wait(5)))
+watch_signals(wake=lambda: woken.append(handled.wait(5)))
 signal.signal(signal.SIGTERM, lambda *_: handled.set())  # the function's own handler
 os.kill(os.getpid(), signal.SIGTERM)
 deadline = time.monotonic() + 15
