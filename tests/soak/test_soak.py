@@ -73,18 +73,23 @@ class Usage:
                    process.memory_info().rss / 2**20)
 
 
-# Memory the C allocator keeps for reuse is not a leak: glibc keeps the free memory at the top of
-# its heap, and a launch's read buffers (256 KiB each) leave some there. Measured over this soak's
-# 500 launches: 86-88 MB before malloc_trim and 66.9-68.5 after it, every 100 launches, against
-# 65.7 at the start; a leak grows in both.
-RETURN_FREE_MEMORY = ("import ctypes\nlibc = ctypes.CDLL(None)\n"
-                      "if hasattr(libc, 'malloc_trim'):  # glibc's; another libc keeps less, or says nothing\n"
-                      "    libc.malloc_trim(0)")
+# What the kernel keeps that is not accelnb's, let go before each reading:
+# - IPython's history of each cell's outputs and exceptions (a failed launch's message is a few KB,
+#   and 200 of the 500 launches fail): IPython's own, which its history_manager.reset() lets go
+#   of (as %reset does, among other things);
+# - the free memory glibc keeps at the top of its heap, where a launch's read buffers (256 KiB
+#   each) leave some: over this soak's 500 launches, 86-88 MB before malloc_trim and 66.9-68.5
+#   after it, every 100 launches, against 65.7 at the start. A leak grows in both.
+LET_GO_OF_WHAT_IS_NOT_OURS = (
+    "get_ipython().history_manager.reset(new_session=False)\n"
+    "import ctypes, gc\ngc.collect()\nlibc = ctypes.CDLL(None)\n"
+    "if hasattr(libc, 'malloc_trim'):  # glibc's; another libc keeps less, or says nothing\n"
+    "    libc.malloc_trim(0)")
 
 
 def settle(kernel: NotebookKernel) -> Usage:
     # The departed ranks reaped first (a launch need not wait for the OS to free them).
-    kernel.value(f"import gc; gc.collect()\n{REAP_DEPARTED_IN_KERNEL}\n{RETURN_FREE_MEMORY}\nprint()")
+    kernel.value(f"import gc; gc.collect()\n{REAP_DEPARTED_IN_KERNEL}\n{LET_GO_OF_WHAT_IS_NOT_OURS}\nprint()")
     gc.collect()
     time.sleep(0.5)
     return Usage.of(kernel.pid)
