@@ -105,10 +105,8 @@ def session_starts(kind: str, count: int) -> list[float]:
 
 
 class CpuSpent:
-    """CPU seconds (user and system, every thread) spent meanwhile by a kernel, by the processes
-    under it (a session's ranks and helper, ipyparallel's controller and engines), and by this
-    client. Wall times on a 2-core machine swing with whatever else runs; CPU per cell shows what
-    each tool itself costs, and what a change to it costs."""
+    """Seconds on a CPU (every thread) spent by a kernel, by the processes under it (a session's
+    ranks and helper, ipyparallel's controller and engines) and by this client, over some cells."""
 
     PARTS = ("kernel", "its processes", "client")
 
@@ -182,10 +180,11 @@ def cell_round_trips(kinds: list[str], rounds: int, per_round: int,
         for _ in range(rounds):
             for kind in kinds:
                 manager, client = kernels[kind]
-                before = cpu_now(manager.provisioner.process.pid)
+                kernel_pid = manager.provisioner.process.pid
+                before = cpu_now(kernel_pid) if SCHEDSTAT else None  # without it the CPU rows say n/a
                 times[kind] += [run(client, CELLS[kind].format(n=next(numbers))) for _ in range(per_round)]
-                if SCHEDSTAT:  # else the CPU rows say n/a
-                    spent.setdefault(kind, CpuSpent()).add(before, cpu_now(manager.provisioner.process.pid), per_round)
+                if before is not None:
+                    spent.setdefault(kind, CpuSpent()).add(before, cpu_now(kernel_pid), per_round)
         return times
     finally:
         for kind, (manager, client) in kernels.items():

@@ -82,7 +82,7 @@ def watch_signals(wake: Callable[[], None]) -> threading.Event:
         # (a failed attempt's last reports, once in a full test run). So it acts from a thread.
         threading.Thread(target=act_on_sigterm, name="accelnb-sigterm-act", daemon=True).start()
 
-    def watch_for_sigterm() -> None:
+    def watch() -> None:
         while True:
             select.select([wakeup_read], [], [])
             try:
@@ -106,7 +106,7 @@ def watch_signals(wake: Callable[[], None]) -> threading.Event:
     signal.set_wakeup_fd(wakeup_write, warn_on_full_buffer=False)
     signal.signal(signal.SIGTERM, die_after_flushing)
     _hold_sigterm_across_fork(in_child=forget_in_forked_child)
-    threading.Thread(target=watch_for_sigterm, name="accelnb-sigterm", daemon=True).start()
+    threading.Thread(target=watch, name="accelnb-signals", daemon=True).start()
     return received
 
 

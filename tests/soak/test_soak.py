@@ -89,7 +89,7 @@ LET_GO_OF_WHAT_IS_NOT_OURS = (
 
 def settle(kernel: NotebookKernel) -> Usage:
     # The departed ranks reaped first (a launch need not wait for the OS to free them).
-    kernel.value(f"import gc; gc.collect()\n{REAP_DEPARTED_IN_KERNEL}\n{LET_GO_OF_WHAT_IS_NOT_OURS}\nprint()")
+    kernel.value(f"{REAP_DEPARTED_IN_KERNEL}\n{LET_GO_OF_WHAT_IS_NOT_OURS}\nprint()")  # it collects too
     gc.collect()
     time.sleep(0.5)
     return Usage.of(kernel.pid)
