@@ -46,6 +46,7 @@ from accelnb.errors import WorkerStartError
 from accelnb.kernel.helper.process_exits import HelperExit, helper_died
 from accelnb.kernel.planning.ports import bind_rendezvous_socket
 from accelnb.wire.group_ahead import GroupAhead
+from accelnb.wire.held_interrupts import held_interrupts
 from accelnb.wire.spec import RankFds, WorkerSpec
 from accelnb.wire.template import FollowImports
 
@@ -388,16 +389,20 @@ class WorkerHelper:
             readable, _, _ = select.select([self._sock], [], [], timeout)
             if not readable:
                 return None
-            try:
-                size = self._sock.recv_into(self._received)
-            except OSError:
-                size = 0
-            if not size:
-                self.lost = True
-                return None
-            with memoryview(self._received) as received:
-                message = pickle.loads(received[:size])
-            self._note(message)
+            # A message read is a message noted: a Ctrl-C between the two would lose it, and a
+            # lost "exited" leaves a departed rank waited for forever (a fresh clone's Ctrl-C at
+            # many moments of start-up, then every later test of that pytest worker).
+            with held_interrupts():
+                try:
+                    size = self._sock.recv_into(self._received)
+                except OSError:
+                    size = 0
+                if not size:
+                    self.lost = True
+                    return None
+                with memoryview(self._received) as received:
+                    message = pickle.loads(received[:size])
+                self._note(message)
             return message
 
     @property
