@@ -5,7 +5,9 @@
     is gone; the next launch starts a fresh helper and works.
 14. Ctrl-C lands at one of many moments of start-up and of sending the call: KeyboardInterrupt
     (or, when it lands after the run ended, a normal return), never a worker left, no fd or
-    ``/dev/shm`` growth in this process, and the next launch works at once.
+    ``/dev/shm`` growth in this process, and the next launch works at once. Also at each read of
+    a template's report, one read at a time: no report is lost (a lost worker's exit left a
+    departed rank waited for forever).
 15. A rank starts a process in its own session (``start_new_session=True``, as logging daemons
     do) and returns, or raises: that process is gone when the launch is.
 
@@ -15,8 +17,10 @@ This pytest process plays the kernel, as in ``test_rank_faults.py``.
 from __future__ import annotations
 
 import os
+import pickle
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -26,6 +30,7 @@ import pytest
 from faultkit import ok_target, read_report, report, wait_for_report, wait_gone
 
 import accelnb
+from accelnb.kernel.helper import client
 from accelnb.kernel.helper.template import shared_helper, sockets_held_ahead
 from tests.conftest import wait_until_no_workers, worker_processes
 
@@ -135,6 +140,54 @@ def test_interrupt_at_many_moments_of_start_up(fault_record: dict[str, Any]) -> 
     assert interrupted >= 5, f"only {interrupted} interrupts landed inside a launch: the sweep misses start-up"
     assert not leaked_fds, f"fds left open in the kernel: {sorted(leaked_fds)}"
     assert shm_names() == shm_before
+
+
+class InterruptAtReport:
+    """A Ctrl-C raised in this (the main) thread right after the kernel decoded the ``at``-th
+    report of its template (counting from 1; 0: none), the moment between reading a report and
+    noting it, where a Ctrl-C once lost it. A profile hook, because no timer lands on a moment
+    of microseconds every time; ``reads`` counts the reports decoded, so that a test notices
+    when the client no longer decodes them this way, rather than passing without a Ctrl-C."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.reads = at, 0
+
+    def __enter__(self) -> InterruptAtReport:
+        sys.setprofile(self._on_event)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+    def _on_event(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "c_return" and arg is pickle.loads and frame.f_code.co_filename == client.__file__:
+            self.reads += 1
+            if self.reads == self.at:
+                signal.raise_signal(signal.SIGINT)  # handled at the caller's next instruction
+
+
+def test_interrupt_at_each_report_of_the_template() -> None:
+    accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)  # warm: the helper is running
+    with InterruptAtReport(at=0) as counted:
+        accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)
+        wait_until_no_workers(GONE_BOUND_S)
+        accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)  # reads the last launch's exits
+    assert counted.reads >= 2, f"{counted.reads} reports decoded in two launches: the hook no longer sees them"
+    fired = interrupted = 0
+    for at in range(1, counted.reads + 1):
+        interrupt = InterruptAtReport(at)
+        try:
+            with interrupt:
+                accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)
+                wait_until_no_workers(GONE_BOUND_S)
+                accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)
+        except KeyboardInterrupt:
+            interrupted += 1
+        fired += interrupt.reads >= at  # the same two launches may read a report fewer
+        assert worker_processes() == [] or wait_until_no_workers(GONE_BOUND_S) < GONE_BOUND_S
+        assert accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True).values == {0: 2.0, 1: 2.0}
+        assert wait_until_no_workers(GONE_BOUND_S) < GONE_BOUND_S, f"a worker outlived a Ctrl-C at report {at}"
+    assert fired >= 2 and interrupted == fired, f"of {fired} Ctrl-Cs at a report, {interrupted} reached the launch"
 
 
 @pytest.mark.parametrize("then", ["return", "raise"])
