@@ -5,9 +5,11 @@
     is gone; the next launch starts a fresh helper and works.
 14. Ctrl-C lands at one of many moments of start-up and of sending the call: KeyboardInterrupt
     (or, when it lands after the run ended, a normal return), never a worker left, no fd or
-    ``/dev/shm`` growth in this process, and the next launch works at once. Also at each read of
-    a template's report, one read at a time: no report is lost (a lost worker's exit left a
-    departed rank waited for forever).
+    ``/dev/shm`` growth in this process, and the next launch works at once. Also, exactly, after
+    each call into C that accelnb's side of a launch makes (every seventh; ``make soak``: every
+    one), and at each read of a template's report (a lost worker's exit once left a departed
+    rank waited for forever). A session's call survives a Ctrl-C after any of its calls into C:
+    the session, its ranks and their variables are kept.
 15. A rank starts a process in its own session (``start_new_session=True``, as logging daemons
     do) and returns, or raises: that process is gone when the launch is.
 
@@ -20,14 +22,15 @@ import os
 import pickle
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
 from faultkit import ok_target, read_report, report, wait_for_report, wait_gone
+from interrupt_points import sweep
 
 import accelnb
 from accelnb.kernel.helper import client
@@ -39,6 +42,9 @@ GONE_BOUND_S = 5.0
 # Offsets (ms) at which Ctrl-C lands after the call starts: dense over the first 100 ms, where
 # start-up (binding the port, forking, sending the call) happens on a warm helper.
 INTERRUPT_OFFSETS_MS = (0, 1, 2, 3, 5, 7, 10, 13, 16, 20, 25, 30, 40, 50, 65, 80, 100, 150, 250, 400)
+# A launch makes ~770 calls into C on accelnb's side (the kernel's): every 7th in `make test`
+# (~25 s; odd, so that it meets both calls of a pair), every one in `make soak` (~3 min).
+EVERY_SEVENTH, EVERY_ONE = 7, 1
 
 
 def sleeping_target(report_dir: str) -> None:
@@ -142,52 +148,87 @@ def test_interrupt_at_many_moments_of_start_up(fault_record: dict[str, Any]) -> 
     assert shm_names() == shm_before
 
 
-class InterruptAtReport:
-    """A Ctrl-C raised in this (the main) thread right after the kernel decoded the ``at``-th
-    report of its template (counting from 1; 0: none), the moment between reading a report and
-    noting it, where a Ctrl-C once lost it. A profile hook, because no timer lands on a moment
-    of microseconds every time; ``reads`` counts the reports decoded, so that a test notices
-    when the client no longer decodes them this way, rather than passing without a Ctrl-C."""
+class NothingLeft:
+    """What a sweep of launches checks after each Ctrl-C: no worker left, no fd or ``/dev/shm``
+    entry of this process's left, and the next launch works at once."""
 
-    def __init__(self, at: int) -> None:
-        self.at, self.reads = at, 0
+    def __init__(self) -> None:
+        self.fds, self.shm = open_fds(), shm_names()
 
-    def __enter__(self) -> InterruptAtReport:
-        sys.setprofile(self._on_event)
-        return self
+    def __call__(self) -> str | None:
+        try:
+            wait_until_no_workers(GONE_BOUND_S)
+            values = accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True).values
+            wait_until_no_workers(GONE_BOUND_S)
+        except (AssertionError, accelnb.AccelnbError) as error:
+            return f"then: {type(error).__name__}: {error}"
+        left = [f"fds {sorted(open_fds() - self.fds)}" if open_fds() - self.fds else "",
+                "/dev/shm entries" if shm_names() != self.shm else "",
+                f"the next launch gave {values}" if values != {0: 2.0, 1: 2.0} else ""]
+        self.fds, self.shm = open_fds(), shm_names()  # one leak is reported once
+        return "; ".join(what for what in left if what) or None
 
-    def __exit__(self, *exc: object) -> None:
-        sys.setprofile(None)
 
-    def _on_event(self, frame: Any, event: str, arg: Any) -> None:
-        if event == "c_return" and arg is pickle.loads and frame.f_code.co_filename == client.__file__:
-            self.reads += 1
-            if self.reads == self.at:
-                signal.raise_signal(signal.SIGINT)  # handled at the caller's next instruction
+def launch_ok() -> None:
+    accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)
+
+
+def launch_then_collect_its_exits() -> None:
+    launch_ok()
+    wait_until_no_workers(GONE_BOUND_S)
+    launch_ok()  # reads the reports of the last launch's exits
+
+
+def reading_a_report(frame: FrameType, function: Any) -> bool:
+    """The kernel decoding a report of its template, the moment before it notes it."""
+    return function is pickle.loads and frame.f_code.co_filename == client.__file__
 
 
 def test_interrupt_at_each_report_of_the_template() -> None:
-    accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)  # warm: the helper is running
-    with InterruptAtReport(at=0) as counted:
-        accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)
-        wait_until_no_workers(GONE_BOUND_S)
-        accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)  # reads the last launch's exits
-    assert counted.reads >= 2, f"{counted.reads} reports decoded in two launches: the hook no longer sees them"
-    fired = interrupted = 0
-    for at in range(1, counted.reads + 1):
-        interrupt = InterruptAtReport(at)
-        try:
-            with interrupt:
-                accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)
-                wait_until_no_workers(GONE_BOUND_S)
-                accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True)
-        except KeyboardInterrupt:
-            interrupted += 1
-        fired += interrupt.reads >= at  # the same two launches may read a report fewer
-        assert worker_processes() == [] or wait_until_no_workers(GONE_BOUND_S) < GONE_BOUND_S
-        assert accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True).values == {0: 2.0, 1: 2.0}
-        assert wait_until_no_workers(GONE_BOUND_S) < GONE_BOUND_S, f"a worker outlived a Ctrl-C at report {at}"
-    assert fired >= 2 and interrupted == fired, f"of {fired} Ctrl-Cs at a report, {interrupted} reached the launch"
+    launch_then_collect_its_exits()  # warm: the helper is running
+    swept = sweep(launch_then_collect_its_exits, NothingLeft(), counted=reading_a_report)
+
+    assert swept.points >= 2, f"{swept.points} reports read in two launches: the hook no longer sees them"
+    assert not swept.problems, "\n".join(swept.problems)
+    assert swept.interrupted == swept.points
+
+
+@pytest.mark.parametrize("stride", [EVERY_SEVENTH, pytest.param(EVERY_ONE, marks=pytest.mark.slow)])
+def test_interrupt_after_calls_into_c_of_a_launch(stride: int) -> None:
+    launch_then_collect_its_exits()
+    swept = sweep(launch_ok, NothingLeft(), stride=stride)
+
+    assert swept.points >= 20, f"only {swept.points} points: the hook no longer sees accelnb's calls"
+    assert not swept.problems, "\n".join(swept.problems)
+    # A Ctrl-C once every rank answered only hurries their ending (RankProcesses.stop), and the
+    # launch returns its values: 3-10 of ~800 points. Before, it interrupts the launch.
+    assert swept.interrupted >= 0.95 * swept.points, f"returned despite the Ctrl-C: {swept.returned}"
+
+
+def add_one(x: int) -> int:
+    return x + 1
+
+
+def test_interrupt_after_each_call_into_c_of_a_session_call() -> None:
+    """A session survives a Ctrl-C anywhere in a call: the cell is interrupted, its ranks and
+    their variables are kept, and the next call works."""
+    with accelnb.Session.start(num_processes=2, cpu=True, quiet=True) as session:
+        session.run(add_one, (1,))
+        fds = open_fds()
+
+        def session_kept() -> str | None:
+            if not session.alive:
+                return "the session ended"
+            values = session.run(add_one, (1,)).values
+            leaked = open_fds() - fds
+            return (f"the next call gave {values}" if values != {0: 2, 1: 2}
+                    else f"fds {sorted(leaked)}" if leaked else None)
+
+        swept = sweep(lambda: session.run(add_one, (1,)), session_kept)
+
+    assert swept.points >= 50, f"only {swept.points} points: the hook no longer sees accelnb's calls"
+    assert not swept.problems, "\n".join(swept.problems)
+    assert swept.interrupted >= swept.points - 2, f"returned despite the Ctrl-C: {swept.returned}"
 
 
 @pytest.mark.parametrize("then", ["return", "raise"])

@@ -231,8 +231,12 @@ def run_on_group(group: RankGroup, payload: Packed, settings: CallSettings, *, m
         if error is None and not group.persistent:
             group.shutdown()
     except KeyboardInterrupt:  # one that landed around the call's own handling of interrupts
-        group.close()
-        error = interrupted_outside_call(persistent=group.persistent)
+        # No rank runs the call then (``RankGroup.call``): it was not sent yet, or it has ended.
+        # A session that can take the next call keeps its ranks and their variables.
+        kept = group.persistent and group.usable
+        if not kept:
+            group.close()
+        error = interrupted_outside_call(persistent=group.persistent, kept=kept)
     except BaseException:  # a bug: nothing may outlive it either
         group.close()
         raise

@@ -127,8 +127,12 @@ def start_interrupted() -> RunInterrupted:
     return RunInterrupted("accelnb stopped the launch while starting its workers; no worker is left.")
 
 
-def interrupted_outside_call(*, persistent: bool) -> RunInterrupted:
-    """An interrupt that landed around the call (ending the workers after it answered, say)."""
+def interrupted_outside_call(*, persistent: bool, kept: bool = False) -> RunInterrupted:
+    """An interrupt that landed around the call, before it went out or once it had ended (while
+    the workers were ended after it answered, say). ``kept``: a session's workers were kept."""
+    if kept:
+        return RunInterrupted("accelnb stopped the cell on the interrupt, while no rank was running it; the "
+                              "session and its variables are kept.")
     return RunInterrupted("accelnb stopped the run: every worker was ended on the interrupt"
                           + (", and the session was closed." if persistent else "."))
 

@@ -26,7 +26,9 @@ class RankGroup(Protocol):
     """The live ranks of one launch or session.
 
     ``call`` raises nothing for what happens to the ranks (its :class:`CallOutcome` says it) and
-    leaves no rank that should be gone; ``shutdown`` ends ranks that finished, ``close`` ends
+    leaves no rank that should be gone; a ``KeyboardInterrupt`` that escapes it (one that landed
+    before the call went out, or once it had ended) leaves no rank running the call, so a group
+    still ``usable`` can take the next one. ``shutdown`` ends ranks that finished, ``close`` ends
     everything and frees what the group holds; both are safe to call twice.
     """
 

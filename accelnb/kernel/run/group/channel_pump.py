@@ -59,12 +59,13 @@ class RankChannels:
         return self.stdout_fd if channel == "stdout" else self.stderr_fd
 
     def close(self) -> None:
-        for fd in (self.stdout_fd, self.stderr_fd):
-            _close_quietly(fd)
-        for sock in (self.events, self.inbox):
-            if sock is not None:
-                sock.close()
-        self.event_reader.close()  # fds of a frame that never arrived whole
+        with held_interrupts():  # all of them: a Ctrl-C after the first close would keep the rest
+            for fd in (self.stdout_fd, self.stderr_fd):
+                _close_quietly(fd)
+            for sock in (self.events, self.inbox):
+                if sock is not None:
+                    sock.close()
+            self.event_reader.close()  # fds of a frame that never arrived whole
 
 
 class ChannelPump:
@@ -119,8 +120,11 @@ class ChannelPump:
 
     def close_their_ends(self) -> None:
         """The workers hold their ends now: closing ours makes end of file work both ways."""
-        while self._their_ends:
-            _close_quietly(self._their_ends.pop())
+        # Held: a Ctrl-C between taking an fd off the list and closing it would keep it open,
+        # and closing first could close the fd's number twice, the second time someone else's.
+        with held_interrupts():
+            while self._their_ends:
+                _close_quietly(self._their_ends.pop())
 
     def watch(self, helper_fd: int, on_helper: Callable[[], None]) -> None:
         """Start reading every rank's channels, and the helper's socket (``on_helper`` reads it)."""
@@ -208,12 +212,14 @@ class ChannelPump:
             self._selector.unregister(fd)
 
     def close(self) -> None:
-        """Free every fd, ours and the workers' ends not handed over yet."""
-        for channels in self.ranks:
-            channels.close()
-        self.close_their_ends()
-        if self._selector is not None:
-            self._selector.close()
+        """Free every fd, ours and the workers' ends not handed over yet, whatever Ctrl-C lands
+        meanwhile (it comes once they are closed)."""
+        with held_interrupts():
+            for channels in self.ranks:
+                channels.close()
+            self.close_their_ends()
+            if self._selector is not None:
+                self._selector.close()
 
     def _step(self, name: str) -> None:
         if self._on_step is not None:
