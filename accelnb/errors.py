@@ -121,11 +121,14 @@ class LaunchFailed(AccelnbError, RuntimeError):
     """A distributed run started and at least one rank did not finish.
 
     ``failures`` holds one record per failed rank, root cause (the earliest failure) first.
+    ``interrupted_while_stopping``: a Ctrl-C came while accelnb ended the ranks after the
+    failure; it hurried their end, and no restart (``max_restarts``) followed it.
     """
 
     message: str
     failures: Sequence[RankFailure] = field(default_factory=tuple)
     metrics: MetricHistory | None = None  # the MetricHistory reported before the failure, set by the launcher
+    interrupted_while_stopping: bool = False
 
     def __post_init__(self) -> None:
         Exception.__init__(self, self.message)
@@ -162,7 +165,8 @@ class RankFailed(LaunchFailed):
         return error
 
     def __reduce__(self) -> tuple[object, ...]:
-        return (_rebuild_rank_failed, (self.original_type, self.message, tuple(self.failures), self.metrics))
+        return (_rebuild_rank_failed, (self.original_type, self.message, tuple(self.failures), self.metrics,
+                                       self.interrupted_while_stopping))
 
 
 class RankCrashed(LaunchFailed):
@@ -227,8 +231,8 @@ def _rank_failed_class_like(original: type[BaseException] | None) -> type[RankFa
     return typed
 
 
-def _rebuild_rank_failed(original: type[BaseException] | None, message: str,
-                         failures: tuple[RankFailure, ...], metrics: MetricHistory | None) -> RankFailed:
+def _rebuild_rank_failed(original: type[BaseException] | None, message: str, failures: tuple[RankFailure, ...],
+                         metrics: MetricHistory | None, interrupted_while_stopping: bool = False) -> RankFailed:
     error = RankFailed.like(original, message, failures)
-    error.metrics = metrics
+    error.metrics, error.interrupted_while_stopping = metrics, interrupted_while_stopping
     return error

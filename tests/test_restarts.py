@@ -195,3 +195,15 @@ def test_the_route_keeps_batches_of_each_attempt_apart() -> None:
     route(MetricBatch(0, [(0, 2.0, {"loss": 2.0})]))
     assert got == [(0, 0), (0, 1)]
     assert [r["attempt"] for r in route.history.records] == [0, 1]
+
+
+def test_a_failure_keeps_whether_an_interrupt_hurried_it_through_pickling() -> None:
+    import pickle
+
+    failure = accelnb.RankFailure(1, 4321, "exception", "ValueError: rank 1 fails")
+    error = RankFailed.like(ValueError, "rank 1 failed", [failure])
+    error.interrupted_while_stopping = True
+    copy = pickle.loads(pickle.dumps(error))
+    assert isinstance(copy, RankFailed) and isinstance(copy, ValueError)
+    assert copy.interrupted_while_stopping and copy.failures == (failure,)
+    assert not pickle.loads(pickle.dumps(RankFailed.like(ValueError, "x"))).interrupted_while_stopping

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
@@ -40,12 +41,14 @@ def from_accelnb(frame: FrameType, function: Any) -> bool:
 class InterruptAfterCall:
     """Within the block: SIGINT right after the ``at``-th counted call into C returns (0: never).
     ``calls`` counts them all, so that a test notices when none is counted any more, rather
-    than passing without a Ctrl-C; ``where`` names the point once it came."""
+    than passing without a Ctrl-C; ``where`` names the point once it came, ``raised_at`` its
+    wall time (``time.time()``, as accelnb's attempts are timed)."""
 
     def __init__(self, at: int, counted: CallFilter = from_accelnb) -> None:
         self.at, self.counted = at, counted
         self.calls = 0
         self.where: str | None = None
+        self.raised_at: float | None = None
 
     def __enter__(self) -> InterruptAfterCall:
         sys.setprofile(self._on_event)
@@ -61,6 +64,7 @@ class InterruptAfterCall:
         if self.calls == self.at:
             place = os.path.relpath(frame.f_code.co_filename, ACCELNB_ROOT)
             self.where = f"{place}:{frame.f_lineno}, after {getattr(arg, '__qualname__', arg)}"
+            self.raised_at = time.time()
             signal.raise_signal(signal.SIGINT)
 
 
@@ -81,12 +85,13 @@ def count_calls(run: Callable[[], object], counted: CallFilter = from_accelnb) -
     return counting.calls
 
 
-def sweep(run: Callable[[], object], after_each: Callable[[], str | None], *, stride: int = 1,
-          counted: CallFilter = from_accelnb) -> SweepReport:
+def sweep(run: Callable[[], object], after_each: Callable[[InterruptAfterCall], str | None], *,
+          stride: int = 1, counted: CallFilter = from_accelnb, bound_s: float = 5.0) -> SweepReport:
     """Run ``run`` once per point, with a Ctrl-C after counted call 1, 1 + stride, ... up to
-    the last that a run made; ``after_each()`` checks what the Ctrl-C left (None: nothing wrong,
-    or what is). Only KeyboardInterrupt (accelnb's RunInterrupted is one) or a normal return is
-    an acceptable end of ``run``."""
+    the last that a run made; ``after_each(point)`` checks what the Ctrl-C left (None: nothing
+    wrong, or what is). Only KeyboardInterrupt (accelnb's RunInterrupted is one) or a normal
+    return, within ``bound_s`` of the Ctrl-C, is an acceptable end of ``run``: a run that takes
+    longer waited for something the Ctrl-C lost (a worker's exit, once)."""
     last = count_calls(run, counted)
     report = SweepReport()
     for at in range(1, last + 1, stride):
@@ -100,13 +105,18 @@ def sweep(run: Callable[[], object], after_each: Callable[[], str | None], *, st
         except Exception as error:
             report.problems.append(f"at {at} ({point.where}): {type(error).__name__}: {error}")
             ended = "failed"
+        ended_at = time.time()
         if point.where is None:
             continue  # this run made fewer calls: the point was not reached
         report.points += 1
+        assert point.raised_at is not None
+        if ended_at - point.raised_at > bound_s:
+            report.problems.append(f"at {at} ({point.where}): the run ended {ended_at - point.raised_at:.1f} s "
+                                   f"after the Ctrl-C (bound {bound_s:g} s)")
         report.interrupted += ended == "interrupted"
         if ended == "returned":
             report.returned.append(f"at {at} ({point.where})")
-        wrong = after_each()
+        wrong = after_each(point)
         if wrong is not None:
             report.problems.append(f"at {at} ({point.where}): {wrong}")
     return report

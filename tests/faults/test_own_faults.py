@@ -9,7 +9,8 @@
     each call into C that accelnb's side of a launch makes (every seventh; ``make soak``: every
     one), and at each read of a template's report (a lost worker's exit once left a departed
     rank waited for forever). A session's call survives a Ctrl-C after any of its calls into C:
-    the session, its ranks and their variables are kept.
+    the session, its ranks and their variables are kept. With ``max_restarts``, no attempt starts
+    after a Ctrl-C, even one that only hurried the end of a failed attempt's ranks.
 15. A rank starts a process in its own session (``start_new_session=True``, as logging daemons
     do) and returns, or raises: that process is gone when the launch is.
 
@@ -30,11 +31,12 @@ from typing import Any
 
 import pytest
 from faultkit import ok_target, read_report, report, wait_for_report, wait_gone
-from interrupt_points import sweep
+from interrupt_points import InterruptAfterCall, from_accelnb, sweep
 
 import accelnb
 from accelnb.kernel.helper import client
 from accelnb.kernel.helper.template import shared_helper, sockets_held_ahead
+from accelnb.kernel.run.group import rank_processes
 from tests.conftest import wait_until_no_workers, worker_processes
 
 HELPER_DEATH_BOUND_S = 2.0
@@ -155,7 +157,7 @@ class NothingLeft:
     def __init__(self) -> None:
         self.fds, self.shm = open_fds(), shm_names()
 
-    def __call__(self) -> str | None:
+    def __call__(self, point: InterruptAfterCall) -> str | None:
         try:
             wait_until_no_workers(GONE_BOUND_S)
             values = accelnb.launch(ok_target, num_processes=2, cpu=True, quiet=True).values
@@ -205,6 +207,56 @@ def test_interrupt_after_calls_into_c_of_a_launch(stride: int) -> None:
     assert swept.interrupted >= 0.95 * swept.points, f"returned despite the Ctrl-C: {swept.returned}"
 
 
+def fails_on_rank_1() -> None:
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1 fails")
+
+
+def ending_ranks(frame: FrameType, function: Any) -> bool:
+    """A call into C made while accelnb ends a group's ranks (``RankProcesses.stop``, from which a
+    Ctrl-C is not raised: it cuts the grace short)."""
+    caller: FrameType | None = frame
+    for _ in range(12):
+        if caller is None:
+            return False
+        if caller.f_code.co_name == "stop" and caller.f_code.co_filename == rank_processes.__file__:
+            return from_accelnb(frame, function)
+        caller = caller.f_back
+    return False
+
+
+@pytest.mark.parametrize("stride", [3, pytest.param(EVERY_ONE, marks=pytest.mark.slow)])
+def test_an_interrupt_is_never_followed_by_a_restart(stride: int) -> None:
+    """A Ctrl-C while a failed attempt's ranks are ended (up to FAILURE_GRACE_S) hurries their end;
+    the failure is still what the launch raises, but no attempt may start after the Ctrl-C.
+    A Ctrl-C at every third point of ending the ranks, of either attempt (~60 points, ~25 s);
+    ``make soak``: at every one."""
+    def launch_with_a_restart() -> None:
+        try:
+            accelnb.launch(fails_on_rank_1, num_processes=2, cpu=True, quiet=True, max_restarts=1)
+        except accelnb.RankFailed:
+            pass
+
+    launch_with_a_restart()  # warm: the helper is running
+    nothing_left = NothingLeft()
+
+    def no_attempt_after_it(point: InterruptAfterCall) -> str | None:
+        result = accelnb.last_result()
+        started = result.attempts[-1].started if result is not None and result.attempts else 0.0
+        assert point.raised_at is not None
+        if started > point.raised_at:
+            return f"attempt {len(result.attempts) if result else '?'} started after the Ctrl-C"
+        return nothing_left(point)
+
+    swept = sweep(launch_with_a_restart, no_attempt_after_it, stride=stride, counted=ending_ranks)
+
+    assert swept.points >= 10, f"only {swept.points} points: the hook no longer sees accelnb's calls"
+    assert not swept.problems, "\n".join(swept.problems)
+    assert swept.returned, "no Ctrl-C landed while ranks were ended: the sweep misses what it tests"
+
+
 def add_one(x: int) -> int:
     return x + 1
 
@@ -216,7 +268,7 @@ def test_interrupt_after_each_call_into_c_of_a_session_call() -> None:
         session.run(add_one, (1,))
         fds = open_fds()
 
-        def session_kept() -> str | None:
+        def session_kept(point: InterruptAfterCall) -> str | None:
             if not session.alive:
                 return "the session ended"
             values = session.run(add_one, (1,)).values

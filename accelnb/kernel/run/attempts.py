@@ -73,7 +73,7 @@ def run_attempts(start: GroupStarter, payload: Packed, settings: CallSettings, *
             attempts.append(Attempt.ended_by(index, started, error))
             _remember_attempts(before, attempts, began)
             last = isinstance(error, (KeyboardInterrupt, LaunchTimeout)) or index == max_restarts
-            why_not = "" if last else _why_no_restart(restart_delay, deadline, timeout)
+            why_not = "" if last else _why_no_restart(error, restart_delay, deadline, timeout)
             if last or why_not:
                 raise _listing_earlier(error, attempts, why_not).with_traceback(None) from None
             notice(_failed_attempt_line(attempts[-1], max_restarts, restart_delay))
@@ -93,8 +93,10 @@ def _time_left(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.001)
 
 
-def _why_no_restart(restart_delay: float, deadline: float | None, timeout: float | None) -> str:
+def _why_no_restart(error: BaseException, restart_delay: float, deadline: float | None, timeout: float | None) -> str:
     """Why no attempt follows one that failed with restarts left ("" when one does)."""
+    if isinstance(error, LaunchFailed) and error.interrupted_while_stopping:
+        return "No restart: an interrupt (Ctrl-C) came while accelnb ended this attempt's ranks."
     if deadline is not None and time.monotonic() + restart_delay >= deadline:
         return (f"No restart: timeout={timeout:g} s, which covers every attempt and the waits between "
                 f"them (restart_delay={restart_delay:g} s), would run out first.")

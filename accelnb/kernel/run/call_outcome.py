@@ -55,3 +55,6 @@ class CallOutcome:
     # where the code chose, and returned.
     stop_asked_by: str | None = None
     stop_seconds: float | None = None
+    # A Ctrl-C came while accelnb ended the ranks (a failure's, a timeout's): it only hurried
+    # their end, and the failure is still the call's, but no restart may follow it.
+    interrupted_while_stopping: bool = False

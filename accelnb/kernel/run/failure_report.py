@@ -87,17 +87,20 @@ def exception_for(outcome: CallOutcome, *, show_output_of: set[int],
     """What the cell raises for ``outcome``; None when every rank answered."""
     if outcome.ending == "answered":
         return None
-    if outcome.ending == "helper_died":
-        assert outcome.helper_exit is not None
-        return helper_died(outcome.helper_exit, "during the run", persistent=persistent,
-                           failures=outcome.failures)
     if outcome.ending == "interrupted":
         return run_interrupted(outcome, persistent=persistent)
-    if outcome.ending == "timed_out":
-        return timed_out(outcome.timeout, outcome.stacks, outcome.failures, ranks=outcome.ranks,
-                         persistent=persistent)
-    return build_exception(outcome.failures, outcome.stopped, show_output_of,
-                           session_ended=persistent and not outcome.workers_kept)
+    failed: LaunchFailed
+    if outcome.ending == "helper_died":
+        assert outcome.helper_exit is not None
+        failed = helper_died(outcome.helper_exit, "during the run", persistent=persistent, failures=outcome.failures)
+    elif outcome.ending == "timed_out":
+        failed = timed_out(outcome.timeout, outcome.stacks, outcome.failures, ranks=outcome.ranks,
+                           persistent=persistent)
+    else:
+        failed = build_exception(outcome.failures, outcome.stopped, show_output_of,
+                                 session_ended=persistent and not outcome.workers_kept)
+    failed.interrupted_while_stopping = outcome.interrupted_while_stopping
+    return failed
 
 
 def run_interrupted(outcome: CallOutcome, *, persistent: bool) -> RunInterrupted:

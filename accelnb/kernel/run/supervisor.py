@@ -79,7 +79,7 @@ from accelnb.kernel.run.group.stop_presses import announce_request
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import Departing, InputReply, InputRequest, Joined
 from accelnb.wire.group_ahead import GroupAhead
-from accelnb.wire.held_interrupts import routed_interrupts
+from accelnb.wire.held_interrupts import held_interrupts, routed_interrupts
 from accelnb.wire.spec import WorkerSpec
 
 FAILURE_GRACE_S = 3.0  # between SIGTERM and SIGKILL when a rank failed, or the call timed out
@@ -117,6 +117,7 @@ class WorkerGroup:
         self._joined: set[int] = set()  # ranks in the process group: an exit now is not a set-up failure
         self._helper_death: HelperExit | None = None
         self._hooks_ran_at = float("-inf")
+        self._stop_hurried = False  # a Ctrl-C cut a stop's grace short during the current call
         self._driving = threading.RLock()  # held by whoever reads the pipes: a call, a shutdown, a stack request
         self._calls = CallProtocol(CallRanks(
             persistent=persistent, interrupt_grace=INTERRUPT_GRACE_S, size=lambda: len(self._processes.ranks),
@@ -197,6 +198,7 @@ class WorkerGroup:
     def _call(self, payload: Packed, value_ranks: set[int], timeout: float | None,
               ranks: frozenset[int] | None, stall_timeout: float | None, stop_grace: float | None) -> CallOutcome:
         answers = self._calls.begin(ranks)
+        self._stop_hurried = False
         self._inboxes.phase = "unsent"
         self.output.prompting_ranks.clear()
         self._prompts.refuse_all("it asked between two cells, when no cell waits for input")
@@ -220,6 +222,7 @@ class WorkerGroup:
         except KeyboardInterrupt:
             ending = "interrupted"
         outcome = self._calls.conclude(answers.outcome(ending, timeout, self._inboxes.phase, source), answers)
+        outcome.interrupted_while_stopping |= self._stop_hurried
         if outcome.workers_kept:
             self._prompts.refuse_all("the cell ended before it could be asked")
         return outcome
@@ -268,9 +271,12 @@ class WorkerGroup:
             self._bury_workers_of_dead_helper(answers)
         for process in self.workers:
             if process.alive:
-                ended = self.helper.take_exit(process.pid)
-                if ended is not None:
-                    self._on_exit(process, ended, answers)
+                # An exit taken is an exit noted: lost to a Ctrl-C in between, its rank would be
+                # waited for until the stop's last deadline (10 s), and then signalled again.
+                with held_interrupts():
+                    ended = self.helper.take_exit(process.pid)
+                    if ended is not None:
+                        self._on_exit(process, ended, answers)
         self._stack_requests.serve()
         self.output.tick()
 
@@ -332,6 +338,7 @@ class WorkerGroup:
         """SIGTERM every live rank, SIGKILL what is left after ``grace``; returns the ranks
         stopped that had not failed by themselves."""
         report = self._processes.stop(grace, lambda deadline: self._wait_for_exits(deadline, answers))
+        self._stop_hurried |= report.hurried
         for rank in report.unreaped:
             self._phases.set(rank, "stopped")
         stopped = [rank for rank in report.stopped if not answers.has_failed(rank)]

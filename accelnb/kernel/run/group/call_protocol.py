@@ -159,6 +159,7 @@ class CallProtocol:
                 if not keep:
                     ranks.stop("interrupted", answers)
         except KeyboardInterrupt:  # interrupted while stopping: no more patience
+            outcome.interrupted_while_stopping = True
             ranks.stop("at_once", answers)
         death = ranks.helper_death()
         if death is not None:

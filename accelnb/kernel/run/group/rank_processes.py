@@ -65,6 +65,7 @@ class StopReport:
 
     stopped: list[int]  # the ranks that were alive when it began
     unreaped: list[int]  # not reported gone after the SIGKILL wait (signalled once more)
+    hurried: bool = False  # an interrupt cut the grace short: the user wants out, not a restart
 
 
 class RankProcesses:
@@ -143,13 +144,14 @@ class RankProcesses:
         interrupt while it waits cuts the grace short: SIGKILL at once.
         """
         stopped = self.live_ranks()
+        hurried = False
         while True:
             try:
                 unreaped = self._ladder(grace, wait_for_exits)
                 break
             except KeyboardInterrupt:
-                grace = 0.0
-        return StopReport(stopped, unreaped)
+                grace, hurried = 0.0, True
+        return StopReport(stopped, unreaped, hurried)
 
     def _ladder(self, grace: float, wait_for_exits: Callable[[float], None]) -> list[int]:
         for process in self.ranks:
