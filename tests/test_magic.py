@@ -72,6 +72,9 @@ CELLS = {
     "same_names_2": "%%distributed\nrepeated = rank + 2",
     "new_names": "%%distributed\nrepeated = rank + 3\nalso = 4",
     "brought_back": "print(repeated, also)",
+    "kernel_names": "lr, late = 0.1, 5",
+    "assigns_then_fails": "%%distributed\nlr = 0.2 + rank\nraise ValueError('diverged')\nlate = 1",
+    "after_the_failure": "%%distributed --output all\nprint(f'rank {rank}: lr {lr}, late {late}')",
     "devices_are_fixed": "%%distributed --procs 3 --cpu\nprint(1)",
     "no_restarts_in_a_session": "%%distributed --max-restarts 2\nprint(1)",
     "status": "%distributed status",
@@ -164,6 +167,16 @@ def test_the_names_brought_back_are_named_when_they_change(outputs: dict[str, An
     assert "brought back" not in stream_text(outputs["same_names_2"])  # the same names: nothing new to say
     assert "accelnb: brought back from rank 0: repeated, also" in stream_text(outputs["new_names"])
     assert stream_text(outputs["brought_back"]).strip() == "3 4"  # said or not, they came back
+
+
+def test_what_a_failed_cell_assigned_stays_on_the_ranks(outputs: dict[str, Any]) -> None:
+    """As in a plain kernel, where a cell that assigns and then raises leaves the name assigned:
+    the notebook's own ``lr`` must not be shipped over the ranks' (an interrupted training cell's
+    model, say). A name the cell never reached still comes from the notebook."""
+    error = error_of(outputs["assigns_then_fails"])
+    assert error is not None and "diverged" in error["evalue"]
+    text = stream_text(outputs["after_the_failure"])
+    assert "rank 0: lr 0.2, late 5" in text and "rank 1: lr 1.2, late 5" in text, text
 
 
 def test_max_restarts_restarts_a_one_shot_cell_and_is_refused_in_a_session(outputs: dict[str, Any]) -> None:

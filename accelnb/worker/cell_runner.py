@@ -14,8 +14,15 @@ expression and the names the cell assigned (tensors on the CPU), within a size b
     ...                      header="%%distributed", names={}, modules={}, return_names=None))
     ... # doctest: +SKIP  (inside a rank)
 
+The notebook's names that the cell uses come with it (``request.names``), but never over a name
+that a cell changed on this rank: the ranks' own value wins, as the kernel, which ships no name an
+earlier cell of the session assigned, means it to. The kernel knows only what cells that
+succeeded assigned; a cell that failed or was interrupted half-way changed some names here, and
+the notebook's value of one of them (its own ``model``) must not replace the rank's.
+
 Module-level state: ``_namespace``, the rank's ``__main__`` namespace for cells; a session's rank
 runs the cells of one notebook, which share one namespace as the kernel's cells do.
+``_changed_by_cells``: the names of it that a cell changed (bound to another object, or deleted).
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from accelnb.wire.result_pickling import dumps_for_kernel
 from accelnb.worker.return_budget import choose_returns
 
 _namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+_changed_by_cells: set[str] = set()
+_UNBOUND = object()  # a name's value before a cell that binds it, where it had none
 # Set by the planner (accelnb.kernel.planning.rank_plan.DEVICE_ENV) in every rank's environment; the worker
 # side may not import the kernel's modules, and tests/test_planning.py pins the two names equal.
 DEVICE_ENV = "ACCELNB_DEVICE"
@@ -44,7 +53,7 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
     namespace = _namespace
     for name, module in request.modules.items():
         namespace[name] = importlib.import_module(module)
-    namespace.update(request.names)
+    namespace.update((name, value) for name, value in request.names.items() if name not in _changed_by_cells)
     rank = int(os.environ["RANK"])
     namespace.update(rank=rank, local_rank=int(os.environ["LOCAL_RANK"]),
                      world_size=int(os.environ["WORLD_SIZE"]), device=torch.device(os.environ[DEVICE_ENV]))
@@ -55,10 +64,16 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
     linecache.cache[request.filename] = (len(padded), None, lines, request.filename)
     tree = ast.parse(padded, request.filename)
     statements = list(tree.body)  # the cell's names come from this tree: one parse (145 µs for 30 lines)
+    bound = names_bound_by(statements)
+    before = {name: namespace.get(name, _UNBOUND) for name in bound}
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     assert last is None or isinstance(last, ast.Expr)
-    exec(compile(tree, request.filename, "exec"), namespace)
-    value = eval(compile(ast.Expression(last.value), request.filename, "eval"), namespace) if last else None
+    try:
+        exec(compile(tree, request.filename, "exec"), namespace)
+        value = eval(compile(ast.Expression(last.value), request.filename, "eval"), namespace) if last else None
+    finally:  # the cell's end, or where it raised or was interrupted: what it changed stays the rank's
+        _changed_by_cells.update(name for name in bound if namespace.get(name, _UNBOUND) is not before[name])
+        del before
     if rank != request.reply_rank:
         return None
 
@@ -69,7 +84,7 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
         except Exception:
             outcome.last_value_repr = repr(value)
     explicit = request.return_names is not None
-    wanted = request.return_names if request.return_names is not None else names_bound_by(statements)
+    wanted = request.return_names if request.return_names is not None else bound
     for name in wanted:
         if name not in namespace:
             outcome.not_returned[name] = f"not defined on rank {rank}"
