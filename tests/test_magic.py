@@ -256,3 +256,30 @@ def test_a_cell_gets_the_planned_device_not_one_it_derives() -> None:
                     collect="rank0")
     assert [r.device for r in result.plan.ranks] == ["cpu", "cpu"]
     assert loads_in_kernel(result.value.last_value) == ("cpu", "1,3")
+
+
+# ── the worker half: the notebook's names never replace what a cell bound on the rank ───────
+def cell(source: str, **names: Any) -> CellRequest:
+    return CellRequest(source=source, filename="<cell In[1]>", header="%%distributed", names=names,
+                       modules={"torch": "torch"}, return_names=[])
+
+
+@pytest.mark.usefixtures("no_leftovers")
+def test_a_name_a_failed_cell_rebound_stays_the_ranks_and_a_shipped_object_is_not_kept_alive() -> None:
+    import torch
+
+    from accelnb import RankFailed, Session
+
+    notebook_model = torch.nn.Linear(3, 3)  # the notebook's own model, which a rank's cell replaces
+    with Session.start(num_processes=2, cpu=True, quiet=True) as session:
+        def run(request: CellRequest) -> Any:
+            outcome = session.run(run_cell, (request,)).value
+            return loads_in_kernel(outcome.last_value) if outcome.last_value is not None else None
+
+        assert run(cell("model.in_features", model=notebook_model)) == 3
+        with pytest.raises(RankFailed, match="diverged"):  # the same object's address may come back
+            run(cell("model = None\nimport gc\ngc.collect()\nmodel = torch.nn.Linear(2, 2)\n"
+                     "raise ValueError('diverged')", model=notebook_model))
+        assert run(cell("model.in_features", model=notebook_model)) == 2
+        assert run(cell("import weakref\nref = weakref.ref(shipped)\ndel shipped", shipped=torch.ones(4))) is None
+        assert run(cell("import gc\ngc.collect()\nref() is None")) is True

@@ -15,14 +15,19 @@ expression and the names the cell assigned (tensors on the CPU), within a size b
     ... # doctest: +SKIP  (inside a rank)
 
 The notebook's names that the cell uses come with it (``request.names``), but never over a name
-that a cell changed on this rank: the ranks' own value wins, as the kernel, which ships no name an
+that a cell bound on this rank: the rank's own value wins, as the kernel, which ships no name an
 earlier cell of the session assigned, means it to. The kernel knows only what cells that
-succeeded assigned; a cell that failed or was interrupted half-way changed some names here, and
-the notebook's value of one of them (its own ``model``) must not replace the rank's.
+succeeded assigned; a cell that failed or was interrupted half-way bound some names here, and the
+notebook's value of one of them (its own ``model``) must not replace the rank's. A name holds
+what was shipped as long as it holds that very object; a cell that binds it to another object
+makes it the rank's. The object is known by a weak reference, or, for the builtin types that take
+none (numbers, strings, lists, dicts), by its id: keeping it would keep alive what a cell lets go
+of (``del data; torch.cuda.empty_cache()``). Such an object, freed by the cell, whose address a new
+one of the same name takes, looks shipped: the notebook's value comes back, as it always did.
 
 Module-level state: ``_namespace``, the rank's ``__main__`` namespace for cells; a session's rank
 runs the cells of one notebook, which share one namespace as the kernel's cells do.
-``_changed_by_cells``: the names of it that a cell changed (bound to another object, or deleted).
+``_shipped``: for each name the notebook shipped, the object it was set to (:func:`_mark`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import ast
 import importlib
 import linecache
 import os
+import weakref
 from typing import Any
 
 from accelnb.wire.cell_analysis import names_bound_by
@@ -39,8 +45,7 @@ from accelnb.wire.result_pickling import dumps_for_kernel
 from accelnb.worker.return_budget import choose_returns
 
 _namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
-_changed_by_cells: set[str] = set()
-_UNBOUND = object()  # a name's value before a cell that binds it, where it had none
+_shipped: dict[str, weakref.ref[Any] | int] = {}
 # Set by the planner (accelnb.kernel.planning.rank_plan.DEVICE_ENV) in every rank's environment; the worker
 # side may not import the kernel's modules, and tests/test_planning.py pins the two names equal.
 DEVICE_ENV = "ACCELNB_DEVICE"
@@ -53,7 +58,11 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
     namespace = _namespace
     for name, module in request.modules.items():
         namespace[name] = importlib.import_module(module)
-    namespace.update((name, value) for name, value in request.names.items() if name not in _changed_by_cells)
+    for name, value in request.names.items():
+        if name in namespace and not _holds_what_was_shipped(name, namespace[name]):
+            continue  # a cell bound it here (one that failed, or ran on some ranks only): the rank's
+        namespace[name] = value
+        _shipped[name] = _mark(value)
     rank = int(os.environ["RANK"])
     namespace.update(rank=rank, local_rank=int(os.environ["LOCAL_RANK"]),
                      world_size=int(os.environ["WORLD_SIZE"]), device=torch.device(os.environ[DEVICE_ENV]))
@@ -64,16 +73,10 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
     linecache.cache[request.filename] = (len(padded), None, lines, request.filename)
     tree = ast.parse(padded, request.filename)
     statements = list(tree.body)  # the cell's names come from this tree: one parse (145 µs for 30 lines)
-    bound = names_bound_by(statements)
-    before = {name: namespace.get(name, _UNBOUND) for name in bound}
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     assert last is None or isinstance(last, ast.Expr)
-    try:
-        exec(compile(tree, request.filename, "exec"), namespace)
-        value = eval(compile(ast.Expression(last.value), request.filename, "eval"), namespace) if last else None
-    finally:  # the cell's end, or where it raised or was interrupted: what it changed stays the rank's
-        _changed_by_cells.update(name for name in bound if namespace.get(name, _UNBOUND) is not before[name])
-        del before
+    exec(compile(tree, request.filename, "exec"), namespace)
+    value = eval(compile(ast.Expression(last.value), request.filename, "eval"), namespace) if last else None
     if rank != request.reply_rank:
         return None
 
@@ -84,7 +87,7 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
         except Exception:
             outcome.last_value_repr = repr(value)
     explicit = request.return_names is not None
-    wanted = request.return_names if request.return_names is not None else bound
+    wanted = request.return_names if request.return_names is not None else names_bound_by(statements)
     for name in wanted:
         if name not in namespace:
             outcome.not_returned[name] = f"not defined on rank {rank}"
@@ -103,3 +106,18 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
         except Exception as error:
             outcome.not_returned[name] = f"{type(namespace[name]).__name__} cannot be pickled ({error})"
     return outcome
+
+
+def _mark(value: Any) -> weakref.ref[Any] | int:
+    """What knows ``value`` again without keeping it alive: a weak reference, else its id."""
+    try:
+        return weakref.ref(value)
+    except TypeError:
+        return id(value)
+
+
+def _holds_what_was_shipped(name: str, held: Any) -> bool:
+    mark = _shipped.get(name)
+    if isinstance(mark, weakref.ref):
+        return mark() is held
+    return mark == id(held)
