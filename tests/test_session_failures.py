@@ -399,3 +399,18 @@ def test_the_helper_killed_within_a_call_closes_the_session(session: Session) ->
         assert running_helper_pid() not in (None, helper_pid)
     finally:
         fresh.stop()
+
+
+def test_an_interrupt_that_found_some_ranks_done_says_their_variables_may_differ() -> None:
+    from accelnb import RankFailure
+    from accelnb.kernel.run.call_outcome import CallOutcome
+    from accelnb.kernel.run.failure_report import run_interrupted
+
+    interrupted = [RankFailure(1, 4321, "exception", "KeyboardInterrupt"), RankFailure(2, 4322, "exception", "")]
+    apart = CallOutcome("interrupted", values={0: None}, failures=interrupted, workers_kept=True)
+    assert str(run_interrupted(apart, persistent=True)) == (
+        "accelnb interrupted the cell on every rank; the session and its variables are kept. rank 0 had "
+        "finished the cell when the interrupt came, and ranks 1, 2 were interrupted in it: the ranks' "
+        "variables may differ.")
+    together = CallOutcome("interrupted", values={}, failures=interrupted, workers_kept=True)
+    assert str(run_interrupted(together, persistent=True)).endswith("the session and its variables are kept.")

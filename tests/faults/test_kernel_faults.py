@@ -5,6 +5,10 @@
    when a rank ignores SIGTERM and SIGINT; the next launch in the same kernel works.
 8. SIGKILL to the kernel while the ranks run: the helper and every worker are gone within 5 s,
    nothing listens on the rendezvous port; the next launch in the restarted kernel works.
+
+And a Ctrl-C after each call into C of a session's ``%%distributed`` cell, in a kernel whose
+first cell imported torch, tqdm.auto, transformers and accelnb: the session and its ranks stay,
+and the next cell runs a collective on both.
 """
 
 from __future__ import annotations
@@ -125,3 +129,52 @@ def test_kernel_killed(kernel: NotebookKernel, fault: str, rank: int, phase: str
     assert_ports_free(watcher, watcher.pids | {helper_pid, kernel.pid}, set())  # the kernel held none: it died
     kernel.restart()
     prepare(kernel)  # the next launch, in the restarted kernel, works
+
+
+# In the kernel: a Ctrl-C after each call into C of accelnb's side of a session cell
+# (interrupt_points.py), then a cell with a collective on both ranks. A cell interrupted while it
+# runs stops on each rank where the interrupt finds it, so their n may differ afterwards (the
+# interrupt's message says so when some ranks had finished it): the check sets it back.
+MAGIC_SWEEP_CELL = r"""
+from interrupt_points import sweep
+ip = get_ipython()
+magic = ip.magics_manager.registry["DistributedMagics"]
+apart = []
+
+def run():
+    ip.run_cell_magic("distributed", "", "n = n + 1\nm = n * 2")
+
+def check(point):
+    if magic.session is None or not magic.session.alive:
+        return "the session ended"
+    total, expected = ip.run_cell_magic("distributed", "--return none",
+        "import torch, torch.distributed as dist\nt = torch.tensor([float(n)])\ndist.all_reduce(t)\n"
+        "(t.item(), n * world_size)")
+    if total != expected:
+        apart.append(point.where)
+        ip.run_cell_magic("distributed", "", "n = 0")
+    return None
+
+swept = sweep(run, check)
+print(json.dumps({"points": swept.points, "interrupted": swept.interrupted, "problems": swept.problems,
+                  "apart": apart}))
+"""
+
+
+def test_interrupt_after_each_call_into_c_of_a_session_cell() -> None:
+    kernel = NotebookKernel.start()
+    try:
+        for cell in ("import torch, tqdm.auto, transformers, accelnb, json\n%load_ext accelnb",
+                     "%distributed start --procs 2 --cpu --quiet", "%%distributed\nn = 0"):
+            assert kernel.run(cell).error is None, cell
+        swept = kernel.run(MAGIC_SWEEP_CELL, timeout=300)
+        assert swept.error is None, swept.seen
+        report = json.loads(swept.stdout.strip().splitlines()[-1])
+        after = kernel.run("%%distributed\nprint('world', world_size)")
+    finally:
+        kernel.shutdown()
+
+    assert report["points"] >= 100, report
+    assert report["problems"] == [], report["problems"]
+    assert report["interrupted"] >= report["points"] - 2, report
+    assert after.error is None and "world 2" in after.stdout, after.seen

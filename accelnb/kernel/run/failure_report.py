@@ -115,7 +115,7 @@ def run_interrupted(outcome: CallOutcome, *, persistent: bool) -> RunInterrupted
                               "its variables are kept.")
     if outcome.workers_kept:
         return RunInterrupted("accelnb interrupted the cell on every rank; the session and its variables "
-                              "are kept.")
+                              "are kept." + _finished_apart(outcome))
     if persistent and outcome.phase == "sending":
         return RunInterrupted(f"accelnb stopped the run while sending it to the workers: every worker was "
                               f"ended {on_what}, and the session was closed (a half-sent call cannot be "
@@ -124,6 +124,22 @@ def run_interrupted(outcome: CallOutcome, *, persistent: bool) -> RunInterrupted
         return RunInterrupted(f"accelnb stopped the run: every worker was ended {on_what} (a rank did not "
                               "respond to the interrupt, so the session was closed).")
     return RunInterrupted(f"accelnb stopped the run: every worker was ended {on_what}.")
+
+
+def _finished_apart(outcome: CallOutcome) -> str:
+    """What an interrupted cell may have left apart: ranks that had finished it, and ranks it
+    interrupted (the interrupt sweep of a real kernel's ``%%distributed`` cells left such ranks
+    with different values of what the cell assigned)."""
+    finished = sorted(outcome.values)
+    stopped = sorted({failure.rank for failure in outcome.failures} - set(finished))
+    if not finished or not stopped:
+        return ""
+    return (f" {_ranks(finished)} had finished the cell when the interrupt came, and {_ranks(stopped)} "
+            f"{'were' if len(stopped) > 1 else 'was'} interrupted in it: the ranks' variables may differ.")
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
 
 
 def start_interrupted() -> RunInterrupted:
