@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any
+from typing import Any, Self
 
 import accelnb
 
@@ -38,7 +38,21 @@ def from_accelnb(frame: FrameType, function: Any) -> bool:
     return frame.f_code.co_filename.startswith(ACCELNB_ROOT)
 
 
-class InterruptAfterCall:
+class ProfileHook:
+    """Within the block, :meth:`_on_event` sees this thread's calls and returns (``sys.setprofile``)."""
+
+    def __enter__(self) -> Self:
+        sys.setprofile(self._on_event)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.setprofile(None)
+
+    def _on_event(self, frame: FrameType, event: str, arg: Any) -> None:
+        raise NotImplementedError
+
+
+class InterruptAfterCall(ProfileHook):
     """Within the block: SIGINT right after the ``at``-th counted call into C returns (0: never).
     ``calls`` counts them all, so that a test notices when none is counted any more, rather
     than passing without a Ctrl-C; ``where`` names the point once it came, ``raised_at`` its
@@ -49,13 +63,6 @@ class InterruptAfterCall:
         self.calls = 0
         self.where: str | None = None
         self.raised_at: float | None = None
-
-    def __enter__(self) -> InterruptAfterCall:
-        sys.setprofile(self._on_event)
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        sys.setprofile(None)
 
     def _on_event(self, frame: FrameType, event: str, arg: Any) -> None:
         if event != "c_return" or not self.counted(frame, arg):

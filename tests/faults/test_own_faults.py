@@ -10,7 +10,9 @@
     one), and at each read of a template's report (a lost worker's exit once left a departed
     rank waited for forever). A session's call survives a Ctrl-C after any of its calls into C:
     the session, its ranks and their variables are kept. With ``max_restarts``, no attempt starts
-    after a Ctrl-C, even one that only hurried the end of a failed attempt's ranks.
+    after a Ctrl-C, even one that only hurried the end of a failed attempt's ranks. A Ctrl-C as
+    the template's answer to a spawn is read leaves no exit noted for the pids it named: a rank
+    the OS later gives one of them is not taken for dead.
 15. A rank starts a process in its own session (``start_new_session=True``, as logging daemons
     do) and returns, or raises: that process is gone when the launch is.
 
@@ -31,11 +33,11 @@ from typing import Any
 
 import pytest
 from faultkit import ok_target, read_report, report, wait_for_report, wait_gone
-from interrupt_points import InterruptAfterCall, from_accelnb, sweep
+from interrupt_points import InterruptAfterCall, ProfileHook, from_accelnb, sweep
 
 import accelnb
 from accelnb.kernel.helper import client
-from accelnb.kernel.helper.template import shared_helper, sockets_held_ahead
+from accelnb.kernel.helper.template import shared_helper, sockets_held_ahead, unclaimed_exits
 from accelnb.kernel.run.group import rank_processes
 from tests.conftest import wait_until_no_workers, worker_processes
 
@@ -154,9 +156,10 @@ def test_interrupt_at_many_moments_of_start_up(fault_record: dict[str, Any]) -> 
 
 class NothingLeft:
     """What a sweep of launches checks after each Ctrl-C: no worker left, no fd or ``/dev/shm``
-    entry of this process's left; and after every ``launch_every``-th, that the next launch
-    works at once (between those, the sweep's next launch is the next launch: one that fails for
-    what the last Ctrl-C left is a problem at the next point)."""
+    entry of this process's left, no worker's exit noted that no group took; and after every
+    ``launch_every``-th, that the next launch works at once (between those, the sweep's next
+    launch is the next launch: one that fails for what the last Ctrl-C left is a problem at the
+    next point)."""
 
     def __init__(self, launch_every: int = 1) -> None:
         self.fds, self.shm = open_fds(), shm_names()
@@ -173,6 +176,7 @@ class NothingLeft:
         except (AssertionError, accelnb.AccelnbError) as error:
             return f"then: {type(error).__name__}: {error}"
         left = [f"fds {sorted(open_fds() - self.fds)}" if open_fds() - self.fds else "",
+                f"exits nobody took {unclaimed_exits()}" if unclaimed_exits() else "",
                 "/dev/shm entries" if shm_names() != self.shm else "",
                 f"the next launch gave {values}" if values != {0: 2.0, 1: 2.0} else ""]
         self.fds, self.shm = open_fds(), shm_names()  # one leak is reported once
@@ -201,6 +205,56 @@ def test_interrupt_at_each_report_of_the_template() -> None:
     assert swept.points >= 2, f"{swept.points} reports read in two launches: the hook no longer sees them"
     assert not swept.problems, "\n".join(swept.problems)
     assert swept.interrupted == swept.points
+
+
+def rank_pid() -> int:
+    return os.getpid()
+
+
+class InterruptAfterSpawnAnswer(ProfileHook):
+    """Within the block: SIGINT as the kernel's read of its template's answer to a spawn returns,
+    the answer noted but not yet in the hands of the spawn that waits for it. ``pids``: the
+    workers that answer named."""
+
+    def __init__(self) -> None:
+        self.pids: list[int] = []
+
+    def _on_event(self, frame: FrameType, event: str, arg: Any) -> None:
+        if (event == "return" and not self.pids and frame.f_code.co_filename == client.__file__
+                and frame.f_code.co_name == "_receive" and isinstance(arg, tuple) and arg[0] == "spawned"):
+            self.pids = list(arg[2])
+            signal.raise_signal(signal.SIGINT)
+
+
+def next_pid_is(pid: int) -> None:
+    """Have the OS give ``pid`` to the next process forked on this machine (root only)."""
+    Path("/proc/sys/kernel/ns_last_pid").write_text(str(pid - 1))
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="choosing the next pid (ns_last_pid) needs root")
+def test_a_rank_given_the_pid_of_an_interrupted_launchs_worker_is_not_taken_for_it() -> None:
+    """A Ctrl-C right after the kernel read the template's answer to a spawn lost the answer: the
+    workers it named were not killed at once, and their exits, reported later, stayed noted for
+    nobody. Once pids wrapped around (32768 by default), a new rank given one of those pids took
+    that exit at its first look: "Rank 3 failed: killed by SIGKILL" (``make soak``, 3 of 150
+    launches). Here the OS is asked for those pids again, until a rank gets one."""
+    launch_ok()  # warm: the helper is running
+    interrupt = InterruptAfterSpawnAnswer()
+    with pytest.raises(KeyboardInterrupt), interrupt:
+        launch_ok()
+    assert interrupt.pids, "the kernel read no answer to a spawn: the test no longer reaches its point"
+    wait_until_no_workers(GONE_BOUND_S)
+    assert unclaimed_exits() == {}
+
+    given_again = None
+    for _ in range(10):  # another process on the machine may fork first and take the pid
+        next_pid_is(interrupt.pids[0])
+        pids = accelnb.launch(rank_pid, num_processes=2, cpu=True, quiet=True).values  # raised "killed by SIGKILL"
+        given_again = given_again or set(pids.values()) & set(interrupt.pids)
+        if given_again:
+            break
+    assert given_again, f"no rank got {interrupt.pids} again in 10 launches: nothing was checked"
+    wait_until_no_workers(GONE_BOUND_S)
 
 
 @pytest.mark.parametrize("stride", [EVERY_NINTH, pytest.param(EVERY_ONE, marks=pytest.mark.slow)])

@@ -16,8 +16,11 @@ The template can die at any moment (the OOM killer picks it, a user's ``kill``).
 socket then closes: :attr:`WorkerHelper.lost` becomes True, whoever waits on it stops waiting,
 and :meth:`WorkerHelper.death` says how it ended. Its workers die with it (``PR_SET_PDEATHSIG``).
 
-A spawn request interrupted before its answer (Ctrl-C) is reclaimed: the workers it forked are
-killed before the interrupt goes on, so no worker outlives a launch that never learned its pids.
+A spawn request interrupted before its answer reached the launch (Ctrl-C) is reclaimed: the
+workers it forked are killed before the interrupt goes on, so no worker outlives a launch that
+never learned its pids. What is noted of a worker (its exit, a report to drop) is forgotten when
+the template names its pid again: the OS reuses pids (after 32768 by default), and an old exit
+taken for a new rank reported it "killed by SIGKILL" the moment it started.
 
 Each spawn of a launch whose group can be joined ahead (``wire/group_ahead.py``) also hands the
 template a freshly bound rendezvous socket for the next launch like it: its waiting children
@@ -125,7 +128,10 @@ class WorkerHelper:
         self._closed = False
         self._next_request = 0
         self._exits: dict[int, WorkerExit] = {}
-        self._abandoned_requests: set[int] = set()
+        # Answers to spawn requests, read but not yet taken by the spawn that asked: a Ctrl-C can
+        # come between a read (which notes the answer) and its return to the waiting spawn.
+        self._spawn_answers: dict[int, Any] = {}
+        self._abandoned_requests: set[int] = set()  # spawns nobody waits for: their answer's pids are killed
         self._disowned_pids: set[int] = set()  # forked for a request nobody waits for any more
         self._departed: set[int] = set()  # said they leave nothing behind; not reported reaped yet
         # Departed workers whose exit was not 0 (pid: code): nobody waited for it, so a rank that
@@ -247,10 +253,12 @@ class WorkerHelper:
 
     # ── forking workers ─────────────────────────────────────────────────────────────────────
     def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[RankFds], on_step: StepHook | None = None, *,
-              next_group: GroupAhead | None = None) -> list[int]:
-        """Fork one worker per spec, handing it ``fds`` (the spec's, in the same order).
-        ``next_group``: the group of a next launch like this one (``group_ahead(specs)``), which the
-        template's waiting children then join ahead (``wire/group_ahead.py``); None: none.
+              next_group: GroupAhead | None = None, forked: Callable[[list[int]], None] | None = None) -> list[int]:
+        """Fork one worker per spec, handing it ``fds`` (the spec's, in the same order); returns
+        their pids. ``next_group``: the group of a next launch like this one (``group_ahead(specs)``),
+        which the template's waiting children then join ahead (``wire/group_ahead.py``); None: none.
+        ``forked(pids)`` is called with Ctrl-C held, as soon as the pids are known: an interrupt
+        after that finds them in the caller's hands, never lost on the way back.
 
         Raises :class:`~accelnb.errors.HelperDied` when the helper dies meanwhile. Whatever
         interrupts the wait (Ctrl-C) leaves no worker of this request behind.
@@ -262,25 +270,38 @@ class WorkerHelper:
             self._drop_group_ahead()  # the template lets its group go on any spawn: one unused is dead
             ahead = next_group
             next_socket = bind_rendezvous_socket(None) if ahead is not None else None
+            sent = False
             try:
-                socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs), ahead))],
-                                [fd for each in fds for fd in each.flat()]
-                                + ([] if next_socket is None else [next_socket.fileno()]))
-            except OSError:
-                if next_socket is not None:
-                    next_socket.close()
-                if self._peer_closed():
-                    raise helper_died(self.death(), "while starting workers") from None
-                raise
-            if ahead is not None and next_socket is not None:
-                self._ahead = (ahead, next_socket)  # a failed or interrupted spawn drops it next time
-            try:
+                # A request sent is a request reclaimed if anything stops the wait for its answer:
+                # a Ctrl-C just after the send once left its workers unknown, and their exits
+                # noted for nobody. A second Ctrl-C gets out of a send that blocks.
+                with held_interrupts(second_one_goes_through=True):
+                    try:
+                        socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs), ahead))],
+                                        [fd for each in fds for fd in each.flat()]
+                                        + ([] if next_socket is None else [next_socket.fileno()]))
+                    except OSError:
+                        if next_socket is not None:
+                            next_socket.close()
+                        if self._peer_closed():
+                            raise helper_died(self.death(), "while starting workers") from None
+                        raise
+                    sent = True
+                    if ahead is not None and next_socket is not None:
+                        self._ahead = (ahead, next_socket)  # a failed or interrupted spawn drops it next time
                 if on_step is not None:
                     on_step("spawn-requested")
-                reply = self._await_reply(request, time.monotonic() + SPAWN_TIMEOUT_S, ("spawned", "spawn_failed"))
+                self._await_spawn_answer(request, time.monotonic() + SPAWN_TIMEOUT_S)
             except BaseException:
-                self._reclaim(request)
+                if sent:
+                    self._reclaim(request)
                 raise
+            with held_interrupts():  # an answer taken is an answer in the caller's hands
+                reply = self._spawn_answers.pop(request, None)
+                if reply is not None and reply[0] == "spawned":
+                    self.workers_started += len(reply[2])
+                    if forked is not None:
+                        forked(reply[2])
             if reply is None and self.lost:
                 raise helper_died(self.death(), "while starting workers")
             if reply is None:
@@ -290,8 +311,6 @@ class WorkerHelper:
             if reply[0] == "spawn_failed":
                 raise WorkerStartError(f"accelnb's helper process could not fork the workers: {reply[2]}")
             pids: list[int] = reply[2]
-            self.workers_started += len(pids)
-            self._live_pids.update(pids)
             return pids
 
     @property
@@ -325,16 +344,32 @@ class WorkerHelper:
                 return None
         return None
 
+    def _await_spawn_answer(self, request: int, deadline: float) -> None:
+        """Read reports until the template's answer to spawn ``request`` is noted (in
+        ``_spawn_answers``), it died, or the deadline passed."""
+        while request not in self._spawn_answers and not self.lost:
+            if self._receive(timeout=max(0.0, deadline - time.monotonic())) is None and time.monotonic() >= deadline:
+                return
+
     def _reclaim(self, request: int) -> None:
-        """Kill whatever ``request`` forked; bounded, and a second interrupt cuts it short."""
-        self._abandoned_requests.add(request)  # a late answer is reclaimed in _note
+        """Kill whatever ``request`` forked and wait for their exits; bounded, and a second
+        interrupt cuts it short. Its answer may have been read already, just before the interrupt."""
+        deadline = time.monotonic() + RECLAIM_WAIT_S
         try:
-            deadline = time.monotonic() + RECLAIM_WAIT_S
-            reply = self._await_reply(request, deadline, ("spawned", "spawn_failed"))
-            if reply is not None and reply[0] == "spawned":
-                self.wait_for_exits(reply[2], deadline)
+            self._await_spawn_answer(request, deadline)
         except KeyboardInterrupt:
-            pass  # no more patience; the workers still die on their inbox's end of file
+            deadline = 0.0  # no more patience; the workers still die on their inbox's end of file
+        with held_interrupts():  # an answer taken is an answer acted on
+            answer = self._spawn_answers.pop(request, None)
+            if answer is None:
+                self._abandoned_requests.add(request)  # its late answer is reclaimed in _note
+                return
+            pids = answer[2] if answer[0] == "spawned" else []
+            self._kill_and_forget(pids)
+        try:
+            self._wait_until_reported(pids, deadline)
+        except KeyboardInterrupt:
+            pass
 
     # ── worker exits ────────────────────────────────────────────────────────────────────────
     def collect(self) -> None:
@@ -371,10 +406,18 @@ class WorkerHelper:
 
     def wait_for_exits(self, pids: Iterable[int], deadline: float) -> None:
         """SIGKILL these workers' process groups and wait (until ``deadline``) for their exits."""
-        waiting = set(pids)
-        for pid in waiting:
+        pids = list(pids)
+        self._kill_and_forget(pids)
+        self._wait_until_reported(pids, deadline)
+
+    def _kill_and_forget(self, pids: Iterable[int]) -> None:
+        for pid in pids:
             _kill_group(pid)
-        self.forget(waiting)
+        self.forget(pids)
+
+    def _wait_until_reported(self, pids: Iterable[int], deadline: float) -> None:
+        """Read reports until the exits of these forgotten pids came (or ``deadline``)."""
+        waiting = set(pids)
         # Each read takes the lock on its own: another launch's thread may read these exits too
         # (it drops them, as disowned), and its own meanwhile.
         while waiting & self._disowned_pids and not self.lost and time.monotonic() < deadline:
@@ -406,6 +449,13 @@ class WorkerHelper:
             return message
 
     @property
+    def unclaimed_exits(self) -> dict[int, int]:
+        """Exits reported for workers whose group has not taken them (pid: code). Empty once every
+        launch ended: an exit left here would be taken for the next process given its pid."""
+        with self._lock:
+            return {pid: ended.code for pid, ended in self._exits.items()}
+
+    @property
     def has_workers(self) -> bool:
         """Whether a worker it forked may still run (exits are read by :meth:`collect`); a
         departed one does not count: it is exiting, and closing the template ends it at once."""
@@ -423,19 +473,30 @@ class WorkerHelper:
                 self._disowned_pids.discard(pid)
             else:
                 self._exits[pid] = WorkerExit(code, reaped_at)
-        elif message[0] == "spawned" and message[1] in self._abandoned_requests:
-            self._abandoned_requests.discard(message[1])
-            self._live_pids.update(message[2])
-            for pid in message[2]:
-                _kill_group(pid)
-            self.forget(message[2])
-        elif message[0] == "spawn_failed":
-            self._abandoned_requests.discard(message[1])
+        elif message[0] in ("spawned", "spawn_failed"):
+            self._note_spawn_answer(message)
         elif message[0] in ("followed", "unsafe"):
             self.unanswered.discard(message[1])
             self._optional_unanswered.discard(message[1])
         if message[0] == "unsafe" and self.unsafe is None:
             self.unsafe = TemplateUnsafe(message[2], message[3])
+
+    def _note_spawn_answer(self, answer: Any) -> None:
+        request = answer[1]
+        pids: list[int] = answer[2] if answer[0] == "spawned" else []
+        for pid in pids:
+            # The OS gave this pid again: what was noted of its earlier process (an exit nobody
+            # took, a report to drop) is not this one's. Taken for it, a rank that had just
+            # started was reported "killed by SIGKILL" (make soak, once pids wrapped around).
+            self._exits.pop(pid, None)
+            self._disowned_pids.discard(pid)
+            self._departed.discard(pid)
+        self._live_pids.update(pids)
+        if request in self._abandoned_requests:  # nobody waits for it any more
+            self._abandoned_requests.discard(request)
+            self._kill_and_forget(pids)
+        else:
+            self._spawn_answers[request] = answer
 
     def _peer_closed(self) -> bool:
         self.collect()

@@ -161,6 +161,12 @@ def departed_crashes() -> dict[int, int]:
     return {pid: code for helper in _templates() for pid, code in helper.departed_crashes.items()}
 
 
+def unclaimed_exits() -> dict[int, int]:
+    """Reported exits of workers that no group took (pid: exit code), from every template. Always
+    empty once every launch ended; for tests and tools that check a launch left nothing noted."""
+    return {pid: code for helper in _templates() for pid, code in helper.unclaimed_exits.items()}
+
+
 def sockets_held_ahead() -> list[socket.socket]:
     """The rendezvous sockets this process holds for its templates' next launches, bound and
     listening on purpose (``wire/group_ahead.py``): each is closed by the next spawn, or with its

@@ -273,11 +273,8 @@ class WorkerGroup:
         # for until the stop's last deadline (10 s), and then signalled again. One hold a pump:
         # 2 µs inside a call's route of SIGINT, 12 outside (the shutdown's pumps).
         with held_interrupts():
-            for process in self.workers:
-                if process.alive:
-                    ended = self.helper.take_exit(process.pid)
-                    if ended is not None:
-                        self._on_exit(process, ended, answers)
+            for process, ended in self._processes.take_exits():
+                self._on_exit(process, ended, answers)
         self._stack_requests.serve()
         self.output.tick()
 
@@ -318,10 +315,10 @@ class WorkerGroup:
             process = self._processes.get(rank)
             if process is None:
                 continue
-            reaped = not process.alive  # under load its exit can come before we read its last output
-            self._processes.note_departure(rank)
-            if not reaped:
-                self.helper.depart([process.pid])
+            if process.alive:
+                self._processes.depart(rank)
+            else:  # under load its exit can come before we read its last output
+                self._processes.note_departure(rank)
 
     def _bury_workers_of_dead_helper(self, answers: CallAnswers) -> None:
         self._helper_death = self.helper.death()
@@ -415,6 +412,8 @@ class WorkerGroup:
             for rank in self._processes.kill_survivors():
                 self._phases.set(rank, "stopped")
         finally:
+            with held_interrupts():  # each report dropped or taken, whatever cuts the close short
+                self._processes.release()
             self._channels.close()
             self.output.finish()
             self._phases.finish()

@@ -31,7 +31,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from accelnb.kernel.helper.client import StepHook, WorkerHelper
+from accelnb.kernel.helper.client import StepHook, WorkerExit, WorkerHelper
 from accelnb.wire.group_ahead import GroupAhead
 from accelnb.wire.spec import RankFds, WorkerSpec
 
@@ -48,6 +48,8 @@ class RankProcess:
     exit_code: int | None = None  # negative: killed by that signal
     signals_sent: set[int] = field(default_factory=set)  # an exit by one of these is ours, not a crash
     departed: bool = False  # left nothing behind and exits 0: its group did not wait for the OS to free it
+    # Its exit's report was taken, or handed back to the helper to drop: it is no longer expected.
+    report_settled: bool = False
 
     @property
     def alive(self) -> bool:
@@ -76,7 +78,6 @@ class RankProcesses:
         self._on_step = on_step
         self.ranks: list[RankProcess] = []
         self._by_rank: dict[int, RankProcess] = {}
-        self._spawned_pids: list[int] = []
 
     def get(self, rank: int) -> RankProcess | None:
         return self._by_rank.get(rank)
@@ -98,18 +99,23 @@ class RankProcesses:
         ``next_group``: see :meth:`~accelnb.kernel.helper.client.WorkerHelper.spawn`."""
         self.ranks = [RankProcess(spec.rank) for spec in specs]
         self._by_rank = {process.rank: process for process in self.ranks}
-        self._spawned_pids = self.helper.spawn(specs, fds, on_step=self._on_step, next_group=next_group)
+        self.helper.spawn(specs, fds, on_step=self._on_step, next_group=next_group, forked=self._forked)
         if self._on_step is not None:
             self._on_step("spawned")
-        for process, pid in zip(self.ranks, self._spawned_pids, strict=True):
+
+    def _forked(self, pids: list[int]) -> None:
+        for process, pid in zip(self.ranks, pids, strict=True):
             process.pid = pid
 
     def abort_start(self) -> None:
         """Undo a start that did not finish: kill what was forked (a second interrupt cuts the
         wait short; with their inboxes closed, the workers end themselves)."""
         try:
-            if self._spawned_pids and not self.helper.lost:
-                self.helper.wait_for_exits(self._spawned_pids, time.monotonic() + KILL_WAIT_S)
+            # Only those not reported gone: a reaped pid may be another process's already.
+            forked = [process for process in self.ranks if process.pid and process.alive]
+            if forked and not self.helper.lost:
+                self._settle_reports(forked)
+                self.helper.wait_for_exits([process.pid for process in forked], time.monotonic() + KILL_WAIT_S)
         except KeyboardInterrupt:
             pass  # no more patience
         finally:
@@ -122,6 +128,41 @@ class RankProcesses:
         process = self.get(rank)
         if process is not None:
             _signal_pid(process.pid, sig)
+
+    # ── exits, as the helper reports them ───────────────────────────────────────────────────
+    def take_exits(self) -> list[tuple[RankProcess, WorkerExit]]:
+        """The exits the helper reported of ranks still counted alive, each taken once."""
+        taken = []
+        for process in self.ranks:
+            if process.alive and not process.report_settled:
+                ended = self.helper.take_exit(process.pid)
+                if ended is not None:
+                    process.report_settled = True
+                    taken.append((process, ended))
+        return taken
+
+    def depart(self, rank: int) -> None:
+        """The rank said it leaves nothing behind: its group ends without waiting for its exit,
+        whose report the helper drops (:meth:`~accelnb.kernel.helper.client.WorkerHelper.depart`)."""
+        process = self.get(rank)
+        if process is not None:
+            self._settle_reports([process])
+            self.helper.depart([process.pid])
+        self.note_departure(rank)
+
+    def release(self) -> None:
+        """The group is closed: the helper drops every exit report it has not handed over (a rank
+        counted gone before its report came: an interrupt, a helper's death), so that none is left
+        for a later process the OS gives the same pid."""
+        unsettled = [process for process in self.ranks if process.pid and not process.report_settled]
+        self._settle_reports(unsettled)
+        if unsettled and not self.helper.lost:
+            self.helper.forget([process.pid for process in unsettled])
+
+    @staticmethod
+    def _settle_reports(processes: Sequence[RankProcess]) -> None:
+        for process in processes:
+            process.report_settled = True
 
     def note_departure(self, rank: int) -> None:
         """The rank said it leaves nothing behind and closed its channels: it is as good as gone,
@@ -175,6 +216,7 @@ class RankProcesses:
         if not survivors:
             return []
         pids = [p.pid for p in survivors]
+        self._settle_reports(survivors)
         if self.helper.lost:
             for process in survivors:
                 _signal_group(process, signal.SIGKILL)
