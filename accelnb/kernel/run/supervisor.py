@@ -265,14 +265,15 @@ class WorkerGroup:
     # ── the pump: what the channels bring, to the piece it concerns ─────────────────────────
     def _pump(self, timeout: float, answers: CallAnswers) -> None:
         self._channels.pump(timeout, lambda rank, event: self._on_event(rank, event, answers))
-        if self._departing:
-            self._let_departed_go()
         if self.helper.lost and self._helper_death is None:  # seen here, or by another group's pump
             self._bury_workers_of_dead_helper(answers)
         # An exit taken is an exit noted: lost to a Ctrl-C in between, its rank would be waited
-        # for until the stop's last deadline (10 s), and then signalled again. One hold a pump:
+        # for until the stop's last deadline (10 s), and then signalled again; a departure told
+        # the helper but not noted left its rank to be killed by the stop. One hold a pump:
         # 2 µs inside a call's route of SIGINT, 12 outside (the shutdown's pumps).
         with held_interrupts():
+            if self._departing:
+                self._let_departed_go()
             for process, ended in self._processes.take_exits():
                 self._on_exit(process, ended, answers)
         self._stack_requests.serve()
@@ -312,13 +313,7 @@ class WorkerGroup:
         it is done, and its exit is the helper's to reap."""
         for rank in [rank for rank in self._departing if self._channels.all_closed(rank)]:
             self._departing.discard(rank)
-            process = self._processes.get(rank)
-            if process is None:
-                continue
-            if process.alive:
-                self._processes.depart(rank)
-            else:  # under load its exit can come before we read its last output
-                self._processes.note_departure(rank)
+            self._processes.depart(rank)
 
     def _bury_workers_of_dead_helper(self, answers: CallAnswers) -> None:
         self._helper_death = self.helper.death()

@@ -126,7 +126,7 @@ class RankProcesses:
     def signal(self, rank: int, sig: int) -> None:
         """Send ``sig`` to one rank's process only (a stack dump, an interrupt of its call)."""
         process = self.get(rank)
-        if process is not None:
+        if process is not None and process.alive:  # a reaped pid may be another process's already
             _signal_pid(process.pid, sig)
 
     # ── exits, as the helper reports them ───────────────────────────────────────────────────
@@ -142,13 +142,16 @@ class RankProcesses:
         return taken
 
     def depart(self, rank: int) -> None:
-        """The rank said it leaves nothing behind: its group ends without waiting for its exit,
-        whose report the helper drops (:meth:`~accelnb.kernel.helper.client.WorkerHelper.depart`)."""
+        """The rank said it leaves nothing behind and closed its channels: it is as good as gone
+        (:meth:`note_departure`), and its group ends without waiting for its exit, whose report
+        the helper drops (:meth:`~accelnb.kernel.helper.client.WorkerHelper.depart`) unless it was
+        taken already (under load an exit can come before the rank's last output is read).
+        Counted gone first: a rank still counted alive would be killed by an interrupted stop."""
+        self.note_departure(rank)
         process = self.get(rank)
-        if process is not None:
+        if process is not None and not process.report_settled:
             self._settle_reports([process])
             self.helper.depart([process.pid])
-        self.note_departure(rank)
 
     def release(self) -> None:
         """The group is closed: the helper drops every exit report it has not handed over (a rank
