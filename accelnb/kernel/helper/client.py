@@ -132,7 +132,7 @@ class WorkerHelper:
         # come between a read (which notes the answer) and its return to the waiting spawn.
         self._spawn_answers: dict[int, Any] = {}
         self._abandoned_requests: set[int] = set()  # spawns nobody waits for: their answer's pids are killed
-        self._disowned_pids: set[int] = set()  # forked for a request nobody waits for any more
+        self._disowned_pids: set[int] = set()  # exits to drop when reported: no group waits for them
         self._departed: set[int] = set()  # said they leave nothing behind; not reported reaped yet
         # Departed workers whose exit was not 0 (pid: code): nobody waited for it, so a rank that
         # crashed on its way out (a library's thread aborting) is known here, and tests look.
