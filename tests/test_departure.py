@@ -23,7 +23,7 @@ import pytest
 
 import accelnb
 from accelnb.kernel.helper.payload import pack_call
-from accelnb.kernel.helper.template import departed_crashes, wait_for_departed_ranks
+from accelnb.kernel.helper.template import take_departed_crashes, wait_for_departed_ranks
 from accelnb.kernel.planning import rank_plan
 from accelnb.kernel.planning.inventory import Inventory, read_inventory
 from accelnb.kernel.run.call_settings import CallSettings
@@ -94,7 +94,7 @@ def test_ranks_that_leave_nothing_depart_and_the_helper_reaps_them_after() -> No
     assert port not in listening_ports()  # rank 0 stopped listening before it said so
     assert wait_for_departed_ranks()
     assert not any(running(pid) for pid in result.values.values())
-    assert departed_crashes() == {}
+    assert take_departed_crashes() == {}
 
 
 def test_the_port_of_a_launch_is_free_for_the_next_one_at_once() -> None:

@@ -136,7 +136,7 @@ class WorkerHelper:
         self._departed: set[int] = set()  # said they leave nothing behind; not reported reaped yet
         # Departed workers whose exit was not 0 (pid: code): nobody waited for it, so a rank that
         # crashed on its way out (a library's thread aborting) is known here, and tests look.
-        self.departed_crashes: dict[int, int] = {}
+        self._departed_crashes: dict[int, int] = {}
         self.lost = False  # its end of the socket closed: it died
         # The group the template's waiting children join ahead, and our copy of its bound socket.
         self._ahead: tuple[GroupAhead, socket.socket] | None = None
@@ -448,6 +448,12 @@ class WorkerHelper:
                 self._note(message)
             return message
 
+    def take_departed_crashes(self) -> dict[int, int]:
+        """Departed workers whose exit was not 0 (pid: code) since the last call, each told once."""
+        with self._lock:
+            crashes, self._departed_crashes = self._departed_crashes, {}
+            return crashes
+
     @property
     def unclaimed_exits(self) -> dict[int, int]:
         """Exits reported for workers whose group has not taken them (pid: code). Empty once every
@@ -468,7 +474,7 @@ class WorkerHelper:
             if pid in self._departed:
                 self._departed.discard(pid)
                 if code != 0:
-                    self.departed_crashes[pid] = code
+                    self._departed_crashes[pid] = code
             if pid in self._disowned_pids:
                 self._disowned_pids.discard(pid)
             else:

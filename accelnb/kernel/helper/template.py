@@ -155,10 +155,11 @@ def wait_for_departed_ranks(timeout: float = DEPARTED_WAIT_S) -> bool:
     return all([helper.wait_for_departed(deadline) for helper in _templates()])
 
 
-def departed_crashes() -> dict[int, int]:
-    """Departed ranks that did not exit 0, pid: exit code (negative: the signal). Always empty
-    unless something in a rank's last moments is broken: nobody waited for those exits."""
-    return {pid: code for helper in _templates() for pid, code in helper.departed_crashes.items()}
+def take_departed_crashes() -> dict[int, int]:
+    """Departed ranks that did not exit 0 since the last call, pid: exit code (negative: the
+    signal); each is told once. Always empty unless something in a rank's last moments is broken:
+    nobody waited for those exits."""
+    return {pid: code for helper in _templates() for pid, code in helper.take_departed_crashes().items()}
 
 
 def unclaimed_exits() -> dict[int, int]:
