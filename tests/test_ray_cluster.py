@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import json
 import queue
 import re
 import signal
@@ -604,3 +605,36 @@ def test_options_are_checked_before_anything_starts() -> None:
         notebook_launcher(print, num_processes=2, nodes=2)
     with pytest.raises(LaunchConfigError, match="cluster='ray' does not take gpus=: it names GPUs of this machine"):
         notebook_launcher(print, gpus="0", cluster="ray")
+
+
+RAY_SESSION_SWEEP = """
+import json, sys
+sys.path.insert(0, os.path.join(os.environ["ACCELNB_TEST_REPO"], "tests", "faults"))
+from interrupt_points import sweep
+swept_session = Session.start(cluster="ray", num_processes=2, quiet=True)
+def add_one(x):
+    return x + 1
+swept_session.run(add_one, (1,))
+def kept(point):
+    if not swept_session.alive:
+        return "the session ended"
+    values = swept_session.run(add_one, (1,)).values
+    return None if values == {0: 2, 1: 2} else f"the next call gave {values}"
+swept = sweep(lambda: swept_session.run(add_one, (1,)), kept, stride=STRIDE)
+print(json.dumps({"points": swept.points, "interrupted": swept.interrupted, "problems": swept.problems,
+                  "returned": swept.returned}))
+swept_session.stop()
+"""
+
+
+def test_a_session_on_the_cluster_survives_a_ctrl_c_after_each_call_into_c_of_a_call(notebook: Notebook) -> None:
+    """As a local session (``tests/faults/test_own_faults.py``): a Ctrl-C after any call into C
+    that accelnb's side of a call makes interrupts that call, and the session, its actors and
+    their variables are kept for the next one."""
+    cell = notebook.checked(RAY_SESSION_SWEEP.replace("STRIDE", "1"))
+    report = json.loads(cell.stdout.strip().splitlines()[-1])
+
+    assert report["points"] >= 50, report
+    assert report["problems"] == [], report["problems"]
+    assert report["interrupted"] >= report["points"] - 2, report["returned"]
+    notebook.assert_nothing_left([])

@@ -57,6 +57,7 @@ from accelnb.kernel.run.group.stall_report import stall_report
 from accelnb.kernel.run.group.stop_presses import announce_request
 from accelnb.wire.buffers import Packed
 from accelnb.wire.events import InputReply, InputRequest, OutputChunk, StopRequest
+from accelnb.wire.held_interrupts import held_interrupts
 from accelnb.wire.spec import WorkerSpec
 
 POLL_WAIT_S = 0.2  # how long an actor holds an events poll open when it has nothing to send
@@ -189,18 +190,22 @@ class RayRankGroup:
         else:
             time.sleep(timeout)
             ready = []
-        for ref in ready:
-            rank, kind = self._watched.pop(ref)
-            try:
-                value = self._ray.get(ref)
-            except self._ray.exceptions.RayActorError as error:
-                self._on_actor_lost(rank, error, answers)
-                continue
-            if kind == "events":
-                for event in value:
-                    self._on_event(rank, event, answers)
-                if self._alive[rank]:
-                    self._poll(rank)
+        # A ref taken is a ref handled, its rank polled again: lost to a Ctrl-C in between, the
+        # rank's events were never read nor asked for again, and an interrupted session call
+        # waited 25 s for its answer and ended the session. The refs are ready: no wait inside.
+        with held_interrupts():
+            for ref in ready:
+                rank, kind = self._watched.pop(ref)
+                try:
+                    value = self._ray.get(ref)
+                except self._ray.exceptions.RayActorError as error:
+                    self._on_actor_lost(rank, error, answers)
+                    continue
+                if kind == "events":
+                    for event in value:
+                        self._on_event(rank, event, answers)
+                    if self._alive[rank]:
+                        self._poll(rank)
         self.output.tick()
 
     def _on_event(self, rank: int, event: Any, answers: CallAnswers) -> None:

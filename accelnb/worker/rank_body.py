@@ -20,7 +20,7 @@ they receive calls and send events; everything else they do alike, with the func
     >>> events = channel.MessageWriter(sock)                    # doctest: +SKIP
     >>> install_streams(); attach_to_kernel(events, spec.rank, spec.restart_count)   # doctest: +SKIP
     >>> start_flusher(); join_the_run(spec, store_fd)           # doctest: +SKIP
-    >>> run_call(spec.rank, call, events)                       # doctest: +SKIP
+    >>> run_call(spec.rank, call, events, interrupts)           # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_k
 from accelnb.wire.spec import WorkerSpec
 from accelnb.worker import library_progress, report, restarts, step_timing
 from accelnb.worker.interactive import rank_debugger, rank_input
-from accelnb.worker.interactive.rank_interrupts import CallInterrupts, NoInterruptControl
+from accelnb.worker.interactive.rank_interrupts import CallInterrupts
 from accelnb.worker.other_launchers import launches_inside, process_group
 from accelnb.worker.stopping import accelerate_trigger, rank_stop
 
@@ -122,11 +122,7 @@ def compile_in_process() -> None:
         setattr(inductor_config, "compile_threads", max(1, int(threads)))  # noqa: B010  (mypy cannot see torch config attributes)
 
 
-NO_INTERRUPT_CONTROL = NoInterruptControl()
-
-
-def run_call(rank: int, call: RunCall, events: channel.MessageWriter,
-             interrupts: CallInterrupts = NO_INTERRUPT_CONTROL) -> bool:
+def run_call(rank: int, call: RunCall, events: channel.MessageWriter, interrupts: CallInterrupts) -> bool:
     """Run one call; True when it returned normally and its value (if wanted) went back.
 
     A Ctrl-C (a local rank's SIGINT, ``worker/interactive/rank_interrupts.py``) interrupts the code, or the

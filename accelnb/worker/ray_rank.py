@@ -24,7 +24,6 @@ which needs no signal. What a local rank's inbox reader hands on (a stop request
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import fcntl
 import os
@@ -54,6 +53,7 @@ from accelnb.wire.events import (
 )
 from accelnb.wire.spec import WorkerSpec
 from accelnb.worker.interactive import rank_input
+from accelnb.worker.interactive.rank_interrupts import ThreadInterrupts
 from accelnb.worker.rank_body import (
     attach_to_kernel,
     chdir_quietly,
@@ -94,11 +94,14 @@ class _EventQueue(channel.MessageWriter):
     def __init__(self, before_answer: Callable[[], None]) -> None:  # no socket: the kernel polls
         self.queue: queue.Queue[Any] = queue.Queue()
         self._before_answer = before_answer
+        self.answered: int | None = None  # the call id of the last result or error put
 
     def send(self, message: Any) -> None:
         if isinstance(message, (CallResult, CallError, InputRequest)):
             self._before_answer()
         self.queue.put(message)
+        if isinstance(message, (CallResult, CallError)):
+            self.answered = message.call_id
 
 
 class RankActor:
@@ -111,9 +114,8 @@ class RankActor:
         self._ready = threading.Event()  # set-up finished, well or badly
         self._set_up_failed = False
         self._rank = -1
-        self._call_thread: int | None = None
+        self._interrupts = ThreadInterrupts()  # a call's, from the kernel's interrupt()
         self._set_up_thread: int | None = None
-        self._interrupting = threading.Lock()  # an interrupt is sent only while its call runs
 
     def facts(self) -> ActorFacts:
         import ray
@@ -199,23 +201,18 @@ class RankActor:
         self._ready.wait()
         if self._set_up_failed:
             return  # the set-up's error is in the events already
-        self._call_thread = threading.get_ident()
+        self._interrupts.begin()
         try:
-            run_call(self._rank, RunCall(call_id, payload, value_ranks), self._events)
+            run_call(self._rank, RunCall(call_id, payload, value_ranks), self._events, self._interrupts)
+        except KeyboardInterrupt as late:
+            # Landed in the steps between the code's end and the answer, where an asynchronous
+            # exception can only be taken back before it lands: the call was interrupted. Out of
+            # here, Ray reported a cancelled task, and the session ended.
+            self._interrupts.settle()
+            if self._events.answered != call_id:
+                self._events.send(describe_error(self._rank, call_id, late))
         finally:
-            self._end_call()
-
-    def _end_call(self) -> None:
-        """No interrupt may outlive its call: one sent as the call ended is dropped here, not
-        raised later in Ray's own code on this thread."""
-        while True:
-            try:
-                with self._interrupting:
-                    self._call_thread = None
-                    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(threading.get_ident()), None)
-                return
-            except KeyboardInterrupt:  # it landed just before it could be dropped: it stopped nothing
-                continue
+            self._interrupts.end()
 
     def deliver(self, message: StopRequest | InputReply) -> None:
         """What a local rank's inbox reader hands on, sent beside the running call: a stop
@@ -239,19 +236,14 @@ class RankActor:
         return found
 
     def interrupt(self) -> bool:
-        """Raise KeyboardInterrupt in the running call (at its next Python bytecode: a rank
-        blocked in a collective does not notice). False when no call runs."""
-        with self._interrupting:
-            thread = self._call_thread
-            if thread is None:
-                return False
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread), ctypes.py_object(KeyboardInterrupt))
-            return True
+        """Interrupt the running call as a local rank's SIGINT does (``ThreadInterrupts``); False
+        when no call runs."""
+        return self._interrupts.interrupt()
 
     def stacks(self) -> str:
         """The running call's stack, innermost last, as text; during set-up the set-up's (where
         a rank that never joins the process group waits); empty between calls."""
-        thread, what = self._call_thread, "call"
+        thread, what = self._interrupts.call_thread, "call"
         if thread is None:
             thread, what = self._set_up_thread, "set-up (joining the process group)"
         frame = sys._current_frames().get(thread) if thread is not None else None

@@ -19,13 +19,22 @@ mode, switched by plain assignments (no system call on a call's path):
   ``KeyboardInterrupt``, or a handler the code set, which is kept for the next calls);
 - ``dropped`` from the moment the answer starts out until the next call: too late, ignored.
 
+A Ray rank runs its call outside the main thread, where no signal handler runs: the kernel's
+interrupt is an asynchronous ``KeyboardInterrupt`` set in the call's thread
+(:class:`ThreadInterrupts`), under the same modes. One set while the code ran but not raised by
+the time the code ended is taken back: it came too late. Raised as the answer went out (an
+asynchronous exception cannot be held, only taken back before it lands), it once reached Ray,
+which reported a cancelled task and ended the session: the actor answers it instead.
+
     >>> interrupts = RankInterrupts()      # doctest: +SKIP  (the rank's main thread)
     >>> interrupts.hold(); interrupts.allow(); interrupts.drop()      # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import ctypes
 import signal
+import threading
 from collections.abc import Callable
 from types import FrameType
 from typing import Any, Literal, Protocol
@@ -45,18 +54,78 @@ class CallInterrupts(Protocol):
     def drop(self) -> None: ...
 
 
-class NoInterruptControl:
-    """For a rank whose calls are not interrupted by SIGINT (a Ray actor's: an asynchronous
-    exception in its call thread, ``worker/ray_rank.py``)."""
+class ThreadInterrupts:
+    """A call's interrupt as an asynchronous ``KeyboardInterrupt`` in the thread that runs it (a
+    Ray actor's call thread, ``worker/ray_rank.py``); :meth:`interrupt` comes from another thread."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._thread: int | None = None  # the call's, while one runs
+        self._mode: Mode = "dropped"
+        self._held = False  # one came while held: raised once the code runs
+        self._set = False  # an exception set in the thread, perhaps not raised yet
+
+    def begin(self) -> None:
+        """In the call's thread, before the call."""
+        with self._lock:
+            self._thread, self._mode, self._held = threading.get_ident(), "held", False
 
     def hold(self) -> None:
-        pass
+        with self._lock:
+            self._mode = "held"
+            self._take_back()  # the code ended first: too late for it
 
     def allow(self) -> None:
-        pass
+        with self._lock:
+            self._mode = "raised"
+            held, self._held = self._held, False
+        if held:
+            raise KeyboardInterrupt
 
     def drop(self) -> None:
-        pass
+        with self._lock:
+            self._mode, self._held = "dropped", False
+            self._take_back()
+
+    def settle(self) -> None:
+        """:meth:`drop`, even where the exception it takes back lands meanwhile (it stopped
+        nothing): once this returns, nothing more is raised in this call."""
+        while True:
+            try:
+                self.drop()
+                return
+            except KeyboardInterrupt:
+                continue
+
+    def end(self) -> None:
+        """In the call's thread, after the call: no interrupt outlives it (one raised later in
+        Ray's own code on this thread would end the task)."""
+        self.settle()
+        with self._lock:
+            self._thread = None
+
+    def interrupt(self) -> bool:
+        """Interrupt the running call's code (at its next Python bytecode: a thread blocked in a
+        collective does not notice); False when no call runs."""
+        with self._lock:
+            if self._thread is None:
+                return False
+            if self._mode == "raised":
+                ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread),
+                                                           ctypes.py_object(KeyboardInterrupt))
+                self._set = True
+            elif self._mode == "held":
+                self._held = True
+            return True
+
+    @property
+    def call_thread(self) -> int | None:
+        return self._thread
+
+    def _take_back(self) -> None:
+        if self._set and self._thread is not None:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self._thread), None)
+        self._set = False
 
 
 class RankInterrupts:
