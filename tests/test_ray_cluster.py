@@ -9,6 +9,10 @@ kernel serve the whole module; each test is one or two cells.
 After every launch the test asserts from the kernel that nothing is left: no live actor in Ray's
 actor table, every resource free again (the placement group removed), and the rank processes,
 found by the pids the start table printed, gone.
+
+The Ctrl-C sweeps of ``tests/faults/interrupt_points.py`` run inside that kernel too: after each
+call into C of a session's call (``make test``), and of a one-shot launch (every 43rd point,
+``make soak``).
 """
 
 from __future__ import annotations
@@ -638,3 +642,42 @@ def test_a_session_on_the_cluster_survives_a_ctrl_c_after_each_call_into_c_of_a_
     assert report["problems"] == [], report["problems"]
     assert report["interrupted"] >= report["points"] - 2, report["returned"]
     notebook.assert_nothing_left([])
+
+
+# A launch on the cluster makes ~880 calls into C on the kernel's side and takes 2-4 s: every
+# 43rd point is ~20 launches interrupted and ~20 checked, ~3 min (make soak).
+RAY_LAUNCH_STRIDE = 43
+RAY_LAUNCH_SWEEP = """
+import json, sys
+sys.path.insert(0, os.path.join(os.environ["ACCELNB_TEST_REPO"], "tests", "faults"))
+from interrupt_points import sweep
+def add_one(x):
+    return x + 1
+def launch_on_the_cluster():
+    return launch(add_one, (1,), cluster="ray", num_processes=2, quiet=True).values
+launch_on_the_cluster()
+def nothing_left(point):
+    left = leftovers(within=10)
+    if left != "alive actors: 0, held: {}":
+        return left
+    values = launch_on_the_cluster()
+    return None if values == {0: 2, 1: 2} else f"the next launch gave {values}"
+swept = sweep(launch_on_the_cluster, nothing_left, stride=STRIDE)
+print(json.dumps({"points": swept.points, "interrupted": swept.interrupted, "problems": swept.problems,
+                  "returned": swept.returned}))
+"""
+
+
+@pytest.mark.slow
+def test_a_launch_on_the_cluster_leaves_nothing_after_a_ctrl_c_at_calls_into_c(notebook: Notebook) -> None:
+    """A Ctrl-C after a call into C of a one-shot launch on Ray (every ``RAY_LAUNCH_STRIDE``-th):
+    KeyboardInterrupt or the launch's values, no actor or reserved resource left, and the next
+    launch works (19 points, none found wrong, 2 min)."""
+    started = time.monotonic()
+    cell = notebook.checked(RAY_LAUNCH_SWEEP.replace("STRIDE", str(RAY_LAUNCH_STRIDE)))
+    report = json.loads(cell.stdout.strip().splitlines()[-1])
+    print(f"{report['points']} points in {time.monotonic() - started:.0f} s")
+
+    assert report["points"] >= 15, report
+    assert report["problems"] == [], report["problems"]
+    assert report["interrupted"] >= report["points"] - 2, report["returned"]
