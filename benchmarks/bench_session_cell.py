@@ -9,11 +9,17 @@ to "idle", the reply), the way JupyterLab waits for a cell. Three kernels, start
 (``jupyter_client``, the ``python3`` kernel of this environment), each measured in rounds that
 alternate between them, so that the load of a shared machine hits all alike:
 
-- ``plain``: ``x = 1`` in a kernel that imported torch and accelnb and loaded its magic (the floor);
+- ``plain``: ``x = 1`` in a kernel that imported torch and accelnb and loaded its magic (what
+  Jupyter makes every cell cost);
 - ``accelnb``: ``%%distributed`` + ``x = 1`` in a session of 2 CPU ranks (``%distributed start
   --procs 2 --cpu``), which runs the line on both ranks and returns when both answered;
 - ``ipyparallel``: ``%%px`` + ``x = 1`` on a cluster of 2 engines (``ipp.Cluster(n=2)``), the
-  tool people use for persistent engines in a notebook; blocking, as ``%%px`` is by default.
+  tool people use for persistent engines in a notebook; blocking, as ``%%px`` is by default;
+- ``floor``: ``%%floor`` + ``x = 1``, a cell magic written here that does the least any tool could:
+  it writes the cell's source down a pipe to each of 2 bare Python processes, which ``exec`` it and
+  answer one byte, and returns once both answered. No rank, no process group, no value back, no
+  error handling: what a round trip to two other processes costs a cell on this machine, so that
+  accelnb's own share of its cell is told apart from what the machine makes any such cell cost.
 
 Beside each cell's wall time, the CPU it cost the machine (:class:`CpuSpent`): the kernel, the
 processes under it, and this client. On a 2-core machine the wall time swings with whatever else
@@ -53,7 +59,26 @@ PX_STOP = "rc.close(); cluster.stop_cluster_sync()"
 # same cell run again prints nothing; "accelnb_new_name" brings back a new name every time, and
 # pays for the line that says so (one more IOPub message).
 CELLS = {"plain": "x = 1", "accelnb": "%%distributed\nx = 1", "accelnb_new_name": "%%distributed\nx{n} = 1",
-         "ipyparallel": "%%px\nx = 1"}
+         "ipyparallel": "%%px\nx = 1", "floor": "%%floor\nx = 1"}
+# The floor's two processes: read a length-prefixed source from stdin, exec it, answer one byte.
+FLOOR_PROCESS = ("import os, struct\nnamespace = {}\nwhile True:\n    head = os.read(0, 4)\n    if not head: break\n"
+                 "    size, = struct.unpack('<I', head)\n    source = b''\n"
+                 "    while len(source) < size: source += os.read(0, size - len(source))\n"
+                 "    exec(source.decode(), namespace)\n    os.write(1, b'k')\n")
+FLOOR_START = f"""import struct as _struct, subprocess as _subprocess, sys as _sys
+from IPython.core.magic import register_cell_magic as _register_cell_magic
+_floor = [_subprocess.Popen([_sys.executable, "-c", {FLOOR_PROCESS!r}], stdin=_subprocess.PIPE,
+                            stdout=_subprocess.PIPE, bufsize=0) for _ in range(2)]
+
+@_register_cell_magic
+def floor(line, cell):
+    data = cell.encode()
+    for process in _floor:
+        process.stdin.write(_struct.pack("<I", len(data)) + data)
+    for process in _floor:
+        process.stdout.read(1)
+"""
+FLOOR_STOP = "for _process in _floor: _process.stdin.close(); _process.wait()"
 
 
 def start_kernel() -> tuple[Any, Any]:
@@ -175,6 +200,8 @@ def cell_round_trips(kinds: list[str], rounds: int, per_round: int,
                 run(client, SESSION_START)
             elif kind == "ipyparallel":
                 run(client, PX_START)
+            elif kind == "floor":
+                run(client, FLOOR_START)
             for _ in range(5):  # warm-up, not counted
                 run(client, CELLS[kind].format(n=next(numbers)))
         for _ in range(rounds):
@@ -190,7 +217,7 @@ def cell_round_trips(kinds: list[str], rounds: int, per_round: int,
         for kind, (manager, client) in kernels.items():
             try:
                 stop = ("%distributed stop" if kind.startswith("accelnb")
-                        else PX_STOP if kind == "ipyparallel" else "pass")
+                        else PX_STOP if kind == "ipyparallel" else FLOOR_STOP if kind == "floor" else "pass")
                 run(client, stop)
             except RuntimeError:
                 pass  # the kernel is shut down next in any case
@@ -228,6 +255,10 @@ def ratio_row(label: str, value: float | None, target: str, meets: Callable[[flo
     return f"| {label} | {value:.2f} | {target} | {'meets' if meets(value) else 'MISSES'} |"
 
 
+def _ratio(top: float | None, bottom: float | None) -> str:
+    return f"{top / bottom:.2f}" if top and bottom else "n/a"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="few repeats (a smoke run)")
@@ -236,10 +267,10 @@ def main() -> None:
     rounds, per_round, starts = (2, 5, 1) if options.quick else (10, 10, 3)
     try:
         import ipyparallel  # noqa: F401
-        kinds = ["plain", "accelnb", "accelnb_new_name", "ipyparallel"]
+        kinds = ["plain", "floor", "accelnb", "accelnb_new_name", "ipyparallel"]
         missing = ""
     except ImportError:
-        kinds = ["plain", "accelnb", "accelnb_new_name"]
+        kinds = ["plain", "floor", "accelnb", "accelnb_new_name"]
         missing = "ipyparallel is not installed (`pip install ipyparallel`): its rows are n/a"
     load_before = os.getloadavg()
     began = time.monotonic()
@@ -252,7 +283,7 @@ def main() -> None:
         return statistics.median(values) if values else None
 
     plain, ours, px = median(cells.get("plain")), median(cells.get("accelnb")), median(cells.get("ipyparallel"))
-    ours_new = median(cells.get("accelnb_new_name"))
+    ours_new, floor = median(cells.get("accelnb_new_name")), median(cells.get("floor"))
     lines = [
         HEADING, "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {os.cpu_count()} CPUs "
@@ -265,19 +296,29 @@ def main() -> None:
         f"engines; {rounds} rounds of {per_round} cells each, the kernels taking turns. The `%%distributed` "
         "cell brings `x` back from rank 0 and names it the first time only (the same names again: nothing "
         "new to say); `x<n> = 1` brings back a new name each time, and its cell says so, one line more.", "",
-        *table([("plain cell", cells.get("plain", [])), ("accelnb %%distributed", cells.get("accelnb", [])),
+        *table([("plain cell", cells.get("plain", [])),
+                ("%%floor: a bare round trip to 2 processes", cells.get("floor", [])),
+                ("accelnb %%distributed", cells.get("accelnb", [])),
                 ("accelnb %%distributed, a new name each cell", cells.get("accelnb_new_name", [])),
                 ("ipyparallel %%px", cells.get("ipyparallel", []))], 1000, "ms"), "",
         "| ratio (medians) | value | target | verdict |", "| --- | ---: | ---: | ---: |",
         ratio_row("accelnb cell / plain cell", ours / plain if ours and plain else None, "≤ 1.2", lambda v: v <= 1.2),
         ratio_row("accelnb cell, a new name each cell / plain cell", ours_new / plain if ours_new and plain else None,
                   "≤ 1.2", lambda v: v <= 1.2),
-        ratio_row("accelnb cell / %%px cell", ours / px if ours and px else None, "≤ 0.4", lambda v: v <= 0.4), "",
+        ratio_row("accelnb cell / %%px cell", ours / px if ours and px else None, "≤ 0.4", lambda v: v <= 0.4),
+        f"| (for scale) %%floor cell / plain cell | {_ratio(floor, plain)} | – | – |",
+        f"| (for scale) %%floor cell / %%px cell | {_ratio(floor, px)} | – | – |",
+        f"| (for scale) accelnb cell / %%floor cell | {_ratio(ours, floor)} | – | – |", "",
+        "`%%floor` is this benchmark's own magic (see the module docstring): the cell's source down a pipe "
+        "to 2 bare processes that `exec` it and answer one byte. What any tool that runs a cell on 2 other "
+        "processes pays here, before doing any of its own work; a target below it cannot be met on this "
+        "machine by any design.", "",
         "CPU per cell (ms, every thread's time on a CPU, from `/proc/<pid>/task/*/schedstat`), over the "
         "same cells: what each tool costs the machine, steadier than wall time on a shared machine. "
-        "\"Its processes\": a session's ranks and helper, or ipyparallel's controller and engines. The "
+        "\"Its processes\": a session's ranks and helper, ipyparallel's controller and engines, the floor's 2. The "
         "plain cell's row is Jupyter's own cost, which every cell pays.", "",
-        *cpu_table([("plain cell", cpu.get("plain")), ("accelnb %%distributed", cpu.get("accelnb")),
+        *cpu_table([("plain cell", cpu.get("plain")), ("%%floor", cpu.get("floor")),
+                    ("accelnb %%distributed", cpu.get("accelnb")),
                     ("accelnb %%distributed, a new name each cell", cpu.get("accelnb_new_name")),
                     ("ipyparallel %%px", cpu.get("ipyparallel"))]), "",
         "### 2. Session start, from a kernel with everything imported (s)", "",

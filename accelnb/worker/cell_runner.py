@@ -28,6 +28,8 @@ one of the same name takes, looks shipped: the notebook's value comes back, as i
 Module-level state: ``_namespace``, the rank's ``__main__`` namespace for cells; a session's rank
 runs the cells of one notebook, which share one namespace as the kernel's cells do.
 ``_shipped``: for each name the notebook shipped, the object it was set to (:func:`_mark`).
+``_identity``: ``rank``, ``local_rank``, ``world_size`` and ``device``, read from the rank's
+environment at its first cell (a process is one rank for its whole life), set again before each.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from accelnb.worker.return_budget import choose_returns
 
 _namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
 _shipped: dict[str, weakref.ref[Any] | int] = {}
+_identity: dict[str, Any] = {}
 # Set by the planner (accelnb.kernel.planning.rank_plan.DEVICE_ENV) in every rank's environment; the worker
 # side may not import the kernel's modules, and tests/test_planning.py pins the two names equal.
 DEVICE_ENV = "ACCELNB_DEVICE"
@@ -63,9 +66,11 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
             continue  # a cell bound it here (one that failed, or ran on some ranks only): the rank's
         namespace[name] = value
         _shipped[name] = _mark(value)
-    rank = int(os.environ["RANK"])
-    namespace.update(rank=rank, local_rank=int(os.environ["LOCAL_RANK"]),
-                     world_size=int(os.environ["WORLD_SIZE"]), device=torch.device(os.environ[DEVICE_ENV]))
+    if not _identity:
+        _identity.update(rank=int(os.environ["RANK"]), local_rank=int(os.environ["LOCAL_RANK"]),
+                         world_size=int(os.environ["WORLD_SIZE"]), device=torch.device(os.environ[DEVICE_ENV]))
+    namespace.update(_identity)  # a cell may have rebound one
+    rank = _identity["rank"]
 
     # Line numbers count from the magic line, as the notebook shows the cell.
     padded = "\n" + request.source

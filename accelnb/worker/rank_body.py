@@ -21,6 +21,9 @@ they receive calls and send events; everything else they do alike, with the func
     >>> install_streams(); attach_to_kernel(events, spec.rank, spec.restart_count)   # doctest: +SKIP
     >>> start_flusher(); join_the_run(spec, store_fd)           # doctest: +SKIP
     >>> run_call(spec.rank, call, events, interrupts)           # doctest: +SKIP
+
+Module-level state: ``_stop_agreement``, whether this rank's calls agree on a stop (a benchmark's
+rank may leave it out, :data:`PIECES_OFF_ENV`); a process is one rank, which joins one run.
 """
 
 from __future__ import annotations
@@ -61,6 +64,9 @@ STREAM_BUFFER_BYTES = 1 << 16
 # Not a user setting: each piece is a feature, and a rank without it lacks that feature.
 PIECES_OFF_ENV = "ACCELNB_BENCH_PIECES_OFF"
 PIECES = ("launches_inside", "step_timing", "library_progress", "accelerate_trigger", "stop_agreement")
+# Whether this rank's calls agree on a stop (every one but a benchmark's): decided once, as the
+# rank joins its run, not read from the environment again at each call.
+_stop_agreement = True
 
 
 def attach_to_kernel(events: channel.MessageWriter, rank: int, restart_count: int) -> None:
@@ -86,8 +92,10 @@ def join_the_run(spec: WorkerSpec, store_fd: int | None) -> None:
 
     torch.set_num_threads(max(1, spec.threads_per_rank))
     compile_in_process()
+    global _stop_agreement
     process_group.join_default_group(spec, store_fd, torch, dist)
     off = pieces_off()
+    _stop_agreement = "stop_agreement" not in off
     if "launches_inside" not in off:
         launches_inside.place(spec)
     if "step_timing" not in off:
@@ -133,7 +141,7 @@ def run_call(rank: int, call: RunCall, events: channel.MessageWriter, interrupts
         interrupts.hold()
         _register_sources(call.sources)
         process_group.ensure_default_group()  # a session's earlier call may have destroyed it
-        agreeing = "stop_agreement" not in pieces_off()
+        agreeing = _stop_agreement
         if agreeing:
             rank_stop.begin_call(call.call_id)
         # Big arguments are rebuilt over the shared pages the kernel wrote once for all ranks,
