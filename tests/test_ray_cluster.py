@@ -394,6 +394,40 @@ finally:
     notebook.assert_nothing_left(table_pids(cell.stdout))
 
 
+def test_a_fault_in_accelnbs_own_actor_code_is_that_ranks_failure_and_ends_every_actor(notebook: Notebook) -> None:
+    # What a bug of accelnb's in the actor's own methods would do: rank 1's actor fails the
+    # kernel's next poll for its events. The user's code never raises there (run_call answers its
+    # exceptions), so no test of the user's errors reaches this path.
+    cell = notebook.run("""
+def break_rank_1s_events():
+    import gc, queue, time, torch.distributed as dist
+    import accelnb.worker.ray_rank as ray_rank
+
+    class Broken(queue.Queue):
+        def get(self, *args, **kwargs):
+            raise RuntimeError("a fault in the actor's own code")
+
+    if dist.get_rank() == 1:
+        for events in [o for o in gc.get_objects() if isinstance(o, ray_rank._EventQueue)]:
+            events.queue = Broken()
+    dist.barrier()
+    time.sleep(30)   # rank 1's answer is never read: its failure must end the launch
+
+launch(break_rank_1s_events, num_processes=2, cluster="ray")
+""")
+    assert cell.error is not None, cell.stdout
+    text = cell.error_text
+    node_of_rank_1 = re.search(r"node ([\d.]+) \S+  rank 1 .*\(pid (\d+)\)", cell.stdout)
+    assert node_of_rank_1 is not None, cell.stdout
+    assert (f"Rank 1 failed: accelnb's Ray actor on node {node_of_rank_1.group(1)} (pid {node_of_rank_1.group(2)}) "
+            "failed in accelnb's own code: RuntimeError: a fault in the actor's own code" in text), text
+    assert re.search(r"\[rank 1\] +File .*ray_rank\.py\", line \d+, in events", text), text  # the frames to report
+    assert "[rank 1] Traceback (most recent call last):\n[rank 1]   File " in text, text
+    assert "RayTaskError" not in text, text  # accelnb's failure, not Ray's traceback
+    assert "Stopped by accelnb after the failure: rank 0" in text, text
+    notebook.assert_nothing_left(table_pids(cell.stdout))
+
+
 def test_a_session_keeps_its_actors_and_their_variables_between_runs(notebook: Notebook) -> None:
     cell = notebook.checked("""
 session = Session.start(cluster="ray", num_processes=2)

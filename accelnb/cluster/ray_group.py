@@ -39,6 +39,7 @@ killed, and stacks asked of the actors themselves.
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any
@@ -48,7 +49,7 @@ from accelnb.kernel.display.output import OutputRouter, notebook_sink
 from accelnb.kernel.planning.rank_plan import LaunchPlan
 from accelnb.kernel.run import run_state
 from accelnb.kernel.run.call_outcome import CallOutcome, Ending, StopSource
-from accelnb.kernel.run.failure_report import actor_lost_failure, is_peer_loss
+from accelnb.kernel.run.failure_report import actor_fault_failure, actor_lost_failure, is_peer_loss
 from accelnb.kernel.run.group.call_answers import CallAnswers, MetricSink, record_event
 from accelnb.kernel.run.group.call_protocol import CallProtocol, CallRanks, StopWhy
 from accelnb.kernel.run.group.prompt_answers import PromptAnswers
@@ -71,6 +72,7 @@ PEER_DEATH_WAIT_S = 3.0
 KILLED_BY_US = "killed by `ray.kill`"  # Ray's death cause for an actor that ray.kill ended
 KILL_WAIT_S = 10.0  # after ray.kill: how long until every actor is known dead
 STACKS_WAIT_S = 2.0
+_ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the task's name in a task error's traceback
 PLACEMENT_REMOVAL_WAIT_S = 5.0
 
 
@@ -201,6 +203,9 @@ class RayRankGroup:
                 except self._ray.exceptions.RayActorError as error:
                     self._on_actor_lost(rank, error, answers)
                     continue
+                except self._ray.exceptions.RayTaskError as error:
+                    self._on_actor_fault(rank, error, answers)
+                    continue  # not polled again: what it would send cannot be trusted
                 if kind == "events":
                     for event in value:
                         self._on_event(rank, event, answers)
@@ -224,6 +229,20 @@ class RayRankGroup:
             return  # it failed already, or our kill ended it; an actor dead before the kill still counts
         placed = self._placed[rank]
         failure = actor_lost_failure(rank, placed.pid, placed.address, why, self.output.tail(rank))
+        answers.failures.append(failure)
+        self._phases.set(rank, "failed", failure.summary)
+
+    def _on_actor_fault(self, rank: int, error: Any, answers: CallAnswers) -> None:
+        """A method of the actor raised (``error``: Ray's ``RayTaskError``). The user's code never
+        raises there (``run_call`` answers with its exceptions), so this is accelnb's own code: the
+        rank's failure, and the stop that follows kills the actor with the others."""
+        if answers.has_failed(rank):
+            return
+        cause = getattr(error, "cause", None) or error
+        traceback = _actor_traceback(error)
+        placed = self._placed[rank]
+        failure = actor_fault_failure(rank, placed.pid, placed.address, f"{type(cause).__name__}: {cause}",
+                                      traceback, self.output.tail(rank))
         answers.failures.append(failure)
         self._phases.set(rank, "failed", failure.summary)
 
@@ -320,6 +339,18 @@ class RayRankGroup:
             lines.append(f"  node {placed.address}  rank {spec.rank}  local rank {spec.local_rank}  {spec.device}  "
                          f"pid {placed.pid}  {'alive' if alive else 'gone'}")
         return "\n".join(lines)
+
+
+def _actor_traceback(error: BaseException) -> str:
+    """The actor's traceback in a task error, as Python prints one: Ray's text of the error (what
+    ``ray.get`` raises keeps no ``traceback_str``) is a line naming the task, with carets under it,
+    then the frames."""
+    lines = _ANSI_CODES.sub("", str(error)).strip().splitlines()
+    if lines and lines[0].startswith("ray::"):
+        lines = lines[1:]
+    while lines and not lines[0].strip("^ "):
+        lines = lines[1:]
+    return "\n".join(["Traceback (most recent call last):", *lines]) if lines else ""
 
 
 def _why_actor_died(error: BaseException) -> str:

@@ -58,6 +58,14 @@ def actor_lost_failure(rank: int, pid: int, node: str, reason: str, output_tail:
                        output_tail=output_tail)
 
 
+def actor_fault_failure(rank: int, pid: int, node: str, cause: str, traceback: str, output_tail: str) -> RankFailure:
+    """accelnb's own code in a rank's cluster actor raised (the user's exceptions are the call's
+    answer): a bug of accelnb's, which the rank cannot be trusted after."""
+    return RankFailure(rank, pid, "exit", f"accelnb's Ray actor on node {node} (pid {pid}) failed in accelnb's own "
+                       f"code: {cause}. This is a bug in accelnb: please report it with this traceback",
+                       traceback=traceback, output_tail=output_tail)
+
+
 def exit_failure(rank: int, pid: int, exit_code: int, output_tail: str, timestamp: float, *,
                  joined: bool = True) -> RankFailure:
     """A rank that ended without reporting: by a signal (negative code) or a bare exit.
