@@ -678,6 +678,38 @@ def test_a_session_on_the_cluster_survives_a_ctrl_c_after_each_call_into_c_of_a_
     notebook.assert_nothing_left([])
 
 
+def test_a_ctrl_c_before_the_ranks_are_polled_ends_the_launch_at_once_and_leaves_nothing(notebook: Notebook) -> None:
+    """The actors exist, none has a call pending yet: the stop learns of each death from a call
+    that fails, so it must make one (the Ray launch sweep found a 10 s wait here, point 259)."""
+    cell = notebook.checked("""
+import sys, time
+sys.path.insert(0, os.path.join(os.environ["ACCELNB_TEST_REPO"], "tests", "faults"))
+from interrupt_points import InterruptAfterCall, count_calls
+def add_one(x):
+    return x + 1
+def launch_on_the_cluster():
+    return launch(add_one, (1,), cluster="ray", num_processes=2, quiet=True)
+def planning(frame, function):   # the ranks' specs are the last thing planned, once the actors exist
+    return os.sep + os.path.join("kernel", "planning") + os.sep in frame.f_code.co_filename
+point = InterruptAfterCall(count_calls(launch_on_the_cluster, planning), planning)
+try:
+    with point:
+        launch_on_the_cluster()
+    ended = "returned"
+except KeyboardInterrupt:
+    ended = "interrupted"
+print(ended, point.where, round(time.time() - point.raised_at, 1))
+print(leftovers(within=10))
+print(launch(add_one, (1,), cluster="ray", num_processes=2, quiet=True).values)
+""")
+    ended, *_, seconds = cell.stdout.splitlines()[0].split()
+    assert ended == "interrupted", cell.stdout
+    assert "planning" in cell.stdout.splitlines()[0], cell.stdout
+    assert float(seconds) < 5.0, cell.stdout
+    assert cell.stdout.splitlines()[1] == "alive actors: 0, held: {}", cell.stdout
+    assert cell.stdout.splitlines()[2] == "{0: 2, 1: 2}", cell.stdout
+
+
 # A launch on the cluster makes ~880 calls into C on the kernel's side and takes 2-4 s: every
 # 43rd point is ~20 launches interrupted and ~20 checked, ~3 min (make soak).
 RAY_LAUNCH_STRIDE = 43

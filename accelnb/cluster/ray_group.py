@@ -278,12 +278,22 @@ class RayRankGroup:
                 self._ray.kill(actor, no_restart=True)
                 if self._phases.phase(rank) not in ("done", "failed"):
                     self._phases.set(rank, "stopped")
-        # An actor is gone once its pending calls fail; every live one has an events poll pending.
+        # An actor is gone once a call pending on it fails.
         deadline = time.monotonic() + KILL_WAIT_S
         while any(self._alive) and time.monotonic() < deadline:
+            self._watch_every_live_rank()
             self._pump(WAIT_SLICE_S, seen)
         answers.keep_failures(seen)  # every one: _on_actor_lost records no death of ours
         return [rank for rank in killed if not answers.has_failed(rank)]
+
+    def _watch_every_live_rank(self) -> None:
+        """A poll for each live rank that has no call pending: a Ctrl-C in :meth:`begin` can leave
+        ranks unpolled, and a rank whose actor code failed is not polled again. Without one, the
+        kill's wait learnt of no death and took all of ``KILL_WAIT_S``."""
+        watched = {rank for rank, _ in self._watched.values()}
+        for rank, alive in enumerate(self._alive):
+            if alive and rank not in watched:
+                self._poll(rank)
 
     # ── live stacks ─────────────────────────────────────────────────────────────────────────
     def collect_stacks(self, wait: float = STACKS_WAIT_S) -> dict[int, str]:
