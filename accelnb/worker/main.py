@@ -120,9 +120,7 @@ class _RankThreads:
     waiting child starts them while it waits (:func:`start_while_waiting`); the inbox reader is
     handed its socket, and the flusher starts flushing, once the rank is known."""
 
-    # From the inbox reader (and SIGTERM's wake-up) to the main loop. A SimpleQueue: its put and
-    # get are C, where a Queue runs a Condition's Python on both threads at every call.
-    commands: queue.SimpleQueue[Any]
+    commands: queue.Queue[Any]  # from the inbox reader (and SIGTERM's wake-up) to the main loop
     # Set once this rank said it departs: the kernel closing our inbox from then on is expected,
     # not the kernel's death (which ends the rank's whole process group).
     departing: threading.Event
@@ -134,7 +132,7 @@ class _RankThreads:
 
     @classmethod
     def start(cls) -> _RankThreads:
-        commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        commands: queue.Queue[Any] = queue.Queue()
         departing, flushing, inbox_fds = threading.Event(), threading.Event(), queue.Queue[int]()
         terminating = watch_signals(wake=lambda: commands.put(None))
         interrupts = RankInterrupts()  # this is the main thread: the only one that may set a handler
@@ -218,8 +216,7 @@ def _take_environment(wanted: Mapping[str, str]) -> None:
             os.environ[name] = value
 
 
-def _start_inbox_reader(inbox_fds: queue.Queue[int], commands: queue.SimpleQueue[Any],
-                        departing: threading.Event) -> None:
+def _start_inbox_reader(inbox_fds: queue.Queue[int], commands: queue.Queue[Any], departing: threading.Event) -> None:
     """Commands arrive on a thread, so that end of file (the kernel died) ends us at once, unless
     we are ``departing``. The thread reads the inbox that ``inbox_fds`` brings it (once the rank
     has one)."""
