@@ -394,11 +394,14 @@ finally:
     notebook.assert_nothing_left(table_pids(cell.stdout))
 
 
-def test_a_fault_in_accelnbs_own_actor_code_is_that_ranks_failure_and_ends_every_actor(notebook: Notebook) -> None:
+def test_a_fault_in_accelnbs_own_actor_code_is_that_ranks_failure_and_ends_every_actor(notebook: Notebook,
+                                                                                       tmp_path: Path) -> None:
     # What a bug of accelnb's in the actor's own methods would do: rank 1's actor fails the
     # kernel's next poll for its events. The user's code never raises there (run_call answers its
     # exceptions), so no test of the user's errors reaches this path.
-    cell = notebook.run("""
+    broken_at = tmp_path / "broken_at"
+    cell = notebook.run(f"""
+import time
 def break_rank_1s_events():
     import gc, queue, time, torch.distributed as dist
     import accelnb.worker.ray_rank as ray_rank
@@ -411,9 +414,15 @@ def break_rank_1s_events():
         for events in [o for o in gc.get_objects() if isinstance(o, ray_rank._EventQueue)]:
             events.queue = Broken()
     dist.barrier()
+    if dist.get_rank() == 0:
+        with open({str(broken_at)!r}, "w") as note:
+            note.write(str(time.time()))
     time.sleep(30)   # rank 1's answer is never read: its failure must end the launch
 
-launch(break_rank_1s_events, num_processes=2, cluster="ray")
+try:
+    launch(break_rank_1s_events, num_processes=2, cluster="ray")
+finally:
+    print("ended", time.time())
 """)
     assert cell.error is not None, cell.stdout
     text = cell.error_text
@@ -425,6 +434,8 @@ launch(break_rank_1s_events, num_processes=2, cluster="ray")
     assert "[rank 1] Traceback (most recent call last):\n[rank 1]   File " in text, text
     assert "RayTaskError" not in text, text  # accelnb's failure, not Ray's traceback
     assert "Stopped by accelnb after the failure: rank 0" in text, text
+    ended = float(re.findall(r"^ended ([\d.]+)$", cell.stdout, re.MULTILINE)[-1])
+    assert ended - float(broken_at.read_text()) < 5.0, cell.stdout  # the faulted rank is known dead at once
     notebook.assert_nothing_left(table_pids(cell.stdout))
 
 

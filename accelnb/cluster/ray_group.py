@@ -72,8 +72,8 @@ PEER_DEATH_WAIT_S = 3.0
 KILLED_BY_US = "killed by `ray.kill`"  # Ray's death cause for an actor that ray.kill ended
 KILL_WAIT_S = 10.0  # after ray.kill: how long until every actor is known dead
 STACKS_WAIT_S = 2.0
-_ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the task's name in a task error's traceback
 PLACEMENT_REMOVAL_WAIT_S = 5.0
+_ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the task's name in a task error's traceback
 
 
 class RayRankGroup:

@@ -87,12 +87,12 @@ def join_the_run(spec: WorkerSpec, store_fd: int | None) -> None:
     process group, and what watches the code: launches inside the rank (``mp.spawn`` & co. run in
     place, or refuse), step timing (for the per-rank view and the straggler watch), rank 0's
     library progress bars, and Accelerate's ``check_trigger()`` answering a Stop press."""
+    global _stop_agreement
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(max(1, spec.threads_per_rank))
     compile_in_process()
-    global _stop_agreement
     process_group.join_default_group(spec, store_fd, torch, dist)
     off = pieces_off()
     _stop_agreement = "stop_agreement" not in off
