@@ -259,9 +259,9 @@ def test_the_helper_reports_a_rank_ended_only_once_what_it_started_is_gone() -> 
     started are already gone. And the helper reports its workers' exits, not the orphans it reaps."""
     helper = PrivateHelper()
     store = socket.create_server(("127.0.0.1", 0))
-    # stdout, stderr (pipes), events, inbox (stream sockets, as the supervisor wires them)
-    pipes = [os.pipe(), os.pipe(), *(tuple(s.detach() for s in socket.socketpair()) for _ in range(2))]
-    theirs = [pipes[0][1], pipes[1][1], pipes[2][1], pipes[3][0], store.fileno()]
+    # stdout, stderr (pipes), events, inbox, control (stream sockets, as the supervisor wires them)
+    pipes = [os.pipe(), os.pipe(), *(tuple(s.detach() for s in socket.socketpair()) for _ in range(3))]
+    theirs = [pipes[0][1], pipes[1][1], pipes[2][1], pipes[3][0], pipes[4][0], store.fileno()]
     try:
         socket.send_fds(helper.sock, [pickle.dumps(("spawn", 1, [one_rank_spec(store.getsockname()[1])], None))],
                         theirs)

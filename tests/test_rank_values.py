@@ -209,10 +209,10 @@ def test_a_worker_whose_set_up_fails_reports_the_cause() -> None:
     spec = WorkerSpec(rank=0, local_rank=0, world_size=1, device="cpu", backend="gloo",
                       env={"ACCELNB_TEST_BROKEN": "nul\0byte"}, master_addr="127.0.0.1", master_port=1,
                       cwd=os.getcwd(), sys_path=list(sys.path))
-    # stdout, stderr (pipes), events, inbox (stream sockets, as the supervisor wires them)
-    pipes = [os.pipe(), os.pipe(), *(tuple(s.detach() for s in socket.socketpair()) for _ in range(2))]
-    ours = [pipes[0][0], pipes[1][0], pipes[2][0], pipes[3][1]]
-    theirs = [pipes[0][1], pipes[1][1], pipes[2][1], pipes[3][0]]
+    # stdout, stderr (pipes), events, inbox, control (stream sockets, as the supervisor wires them)
+    pipes = [os.pipe(), os.pipe(), *(tuple(s.detach() for s in socket.socketpair()) for _ in range(3))]
+    ours = [pipes[0][0], pipes[1][0], pipes[2][0], pipes[3][1], pipes[4][1]]
+    theirs = [pipes[0][1], pipes[1][1], pipes[2][1], pipes[3][0], pipes[4][0]]
     try:
         try:
             shared_helper().spawn([spec], [RankFds(*theirs)])
@@ -237,10 +237,10 @@ def test_the_fds_of_a_spawn_come_back_by_name_from_the_flat_list_that_crosses_th
                           master_addr="127.0.0.1", master_port=1, cwd="/", sys_path=[], holds_store=holds_store)
 
     specs = [spec(0, True), spec(1, False)]
-    sent = [RankFds(10, 11, 12, 13, store=14), RankFds(20, 21, 22, 23)]
+    sent = [RankFds(10, 11, 12, 13, 14, store=15), RankFds(20, 21, 22, 23, 24)]
     assert split_fds([fd for each in sent for fd in each.flat()], specs) == sent
-    with pytest.raises(ValueError, match="8 fds for 2 ranks, which take 9"):
-        split_fds([10, 11, 12, 13, 20, 21, 22, 23], specs)  # rank 0's store missing
+    with pytest.raises(ValueError, match="10 fds for 2 ranks, which take 11"):
+        split_fds([10, 11, 12, 13, 14, 20, 21, 22, 23, 24], specs)  # rank 0's store missing
 
 
 def read_to_end(fd: int) -> bytes:

@@ -168,12 +168,12 @@ def test_a_waiting_child_starts_the_ranks_threads_while_it_waits_and_dies_of_sig
     waiting = waiting_children(2)
     for child in waiting:
         deadline = time.monotonic() + WAIT_S
-        while child.num_threads() < 4:  # its main thread, the signal watcher, the inbox reader, the flusher
+        while child.num_threads() < 4:  # its main thread, the signal watcher, the control reader, the flusher
             assert time.monotonic() < deadline, f"{child.num_threads()} threads in a waiting child"
             time.sleep(0.02)
     result = accelnb.launch(accelnbs_threads, num_processes=2, cpu=True, quiet=True, collect="all", timeout=120)
     assert set(result.values) == {0, 1}
-    assert all(threads == ["accelnb-flush", "accelnb-inbox", "accelnb-signals"] for threads in result.values.values())
+    assert all(threads == ["accelnb-control", "accelnb-flush", "accelnb-signals"] for threads in result.values.values())
 
     victim, _survivor = waiting_children(2)
     os.kill(victim.pid, signal.SIGTERM)  # its handler is accelnb's by now: flush (nothing yet), then die of it

@@ -45,21 +45,28 @@ class WorkerSpec:
 
 @dataclass(frozen=True)
 class RankFds:
-    """The fds one rank is handed: its output pipes, its two sockets to the kernel, and for the
-    rank that holds it (``WorkerSpec.holds_store``) the rendezvous store's bound listening socket."""
+    """The fds one rank is handed: its output pipes, its three sockets to the kernel, and for the
+    rank that holds it (``WorkerSpec.holds_store``) the rendezvous store's bound listening socket.
+
+    The kernel's messages to the rank come on two sockets, by who reads them: the calls on
+    ``inbox``, which the rank's main thread reads itself between calls (a call wakes one thread,
+    not a reader thread that then wakes the main one), and what comes while a call runs on
+    ``control``, which a thread of the rank reads while the main thread runs the code."""
 
     stdout: int  # a pipe's write end: becomes the rank's fd 1
     stderr: int  # likewise fd 2
     events: int  # stream socket: the rank's events to the kernel (wire/events.py)
-    inbox: int  # stream socket: the kernel's calls, stop requests and input replies to the rank
+    inbox: int  # stream socket: the kernel's calls and its Shutdown
+    control: int  # stream socket: the kernel's stop requests and input replies, beside a running call
     store: int | None = None
 
     def flat(self) -> list[int]:
         """In the order :func:`split_fds` reads them back."""
-        return [self.stdout, self.stderr, self.events, self.inbox, *(() if self.store is None else (self.store,))]
+        return [self.stdout, self.stderr, self.events, self.inbox, self.control,
+                *(() if self.store is None else (self.store,))]
 
 
-FDS_PER_RANK = 4  # RankFds without the store
+FDS_PER_RANK = 5  # RankFds without the store
 # The fds of a launch's local ranks cross in one SCM_RIGHTS message, which holds at most 253: every
 # rank's, the store's and the socket bound for the next launch's group.
 MAX_LOCAL_RANKS = (253 - 2) // FDS_PER_RANK
@@ -73,9 +80,9 @@ def split_fds(flat: Sequence[int], specs: Sequence[WorkerSpec]) -> list[RankFds]
     taken: list[RankFds] = []
     position = 0
     for spec in specs:
-        stdout, stderr, events, inbox = flat[position:position + FDS_PER_RANK]
+        stdout, stderr, events, inbox, control = flat[position:position + FDS_PER_RANK]
         position += FDS_PER_RANK
         store = flat[position] if spec.holds_store else None
         position += spec.holds_store
-        taken.append(RankFds(stdout, stderr, events, inbox, store))
+        taken.append(RankFds(stdout, stderr, events, inbox, control, store))
     return taken

@@ -73,7 +73,7 @@ def attach_to_kernel(events: channel.MessageWriter, rank: int, restart_count: in
     """What the rank's code reaches the notebook through, whatever started the rank: ``report()``,
     ``input()`` and ``breakpoint()`` prompts, ``restart_count()`` and ``stop_requested()``. What
     the kernel sends back (a prompt's answer, a stop request) is handed to ``rank_input.deliver``
-    and ``rank_stop.deliver`` by the rank's own receiver: the inbox reader of a local rank,
+    and ``rank_stop.deliver`` by the rank's own receiver: the control reader of a local rank,
     ``RankActor.deliver`` of a Ray one."""
     report.attach(events, rank)
     rank_input.attach(events, rank, flush=flush_streams_and_metrics)

@@ -18,7 +18,7 @@ crosses the network is a Ray task argument or return value: no socket of ours ca
 The function runs in the actor's call thread, not the process's main thread (Ray's own loop holds
 that one): a call is interrupted with an asynchronous ``KeyboardInterrupt`` in that thread
 (:meth:`interrupt`), and :meth:`stacks` reads every thread's stack with ``sys._current_frames``,
-which needs no signal. What a local rank's inbox reader hands on (a stop request, the answer to an
+which needs no signal. What a local rank's control reader hands on (a stop request, the answer to an
 ``input()`` or ``(Pdb)`` prompt) arrives through :meth:`deliver`, also beside the call.
 """
 
@@ -215,7 +215,7 @@ class RankActor:
             self._interrupts.end()
 
     def deliver(self, message: StopRequest | InputReply) -> None:
-        """What a local rank's inbox reader hands on, sent beside the running call: a stop
+        """What a local rank's control reader hands on, sent beside the running call: a stop
         request (read by the code's next ``stop_requested()``) or the answer to a prompt."""
         if isinstance(message, StopRequest):
             rank_stop.deliver(message)

@@ -358,7 +358,7 @@ class WorkerHelper:
         try:
             self._await_spawn_answer(request, deadline)
         except KeyboardInterrupt:
-            deadline = 0.0  # no more patience; the workers still die on their inbox's end of file
+            deadline = 0.0  # no more patience; the workers still die on their sockets' end of file
         with held_interrupts():  # an answer taken is an answer acted on
             answer = self._spawn_answers.pop(request, None)
             if answer is None:

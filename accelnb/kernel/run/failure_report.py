@@ -177,6 +177,8 @@ def timed_out(timeout: float | None, stacks: dict[int, str], failures: Sequence[
     for rank, stack in sorted(stacks.items()):
         lines.append("")
         lines.append(f"── rank {rank} ──")
+        if ranks is not None and rank not in ranks:
+            stack = "(not running this call: it waits for the next one)"  # in accelnb's frames alone
         lines.extend(_prefixed(stack.strip() or "(no stack: the rank was in native code or exited)", rank))
     lines.append("")
     if ranks is None:

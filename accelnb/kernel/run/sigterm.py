@@ -43,7 +43,6 @@ def sigterm_as_stop() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread():
         yield  # only the main thread may set a handler; the signal keeps its meaning
         return
-    previous = signal.getsignal(signal.SIGTERM)
     received: list[int] = []
 
     def on_sigterm(signum: int, frame: FrameType | None) -> None:
@@ -51,7 +50,7 @@ def sigterm_as_stop() -> Iterator[None]:
         if not run_state.request_stop(by=SIGTERM_PRESS):
             raise KeyboardInterrupt  # no run to ask: stop the launch as the stop button would
 
-    signal.signal(signal.SIGTERM, on_sigterm)
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
     try:
         yield
     finally:

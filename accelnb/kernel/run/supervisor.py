@@ -1,8 +1,8 @@
 """Owns the worker processes of one launch (or one persistent session): :class:`WorkerGroup`.
 
 The group asks the helper to fork one worker per rank, wires four channels to each (stdout and
-stderr pipes; events and inbox ``AF_UNIX`` stream sockets, which carry the memfds of big buffers,
-see ``wire/channel.py``), and then waits in the launching thread, multiplexing every channel and
+stderr pipes; events, inbox and control ``AF_UNIX`` stream sockets, which carry the memfds of big
+buffers, see ``wire/channel.py``), and then waits in the launching thread, multiplexing every channel and
 the helper's reports with one selector. While it waits it feeds output to the
 :class:`~accelnb.kernel.display.output.OutputRouter`, metrics to their sink, and rank states to ``run_state``.
 
@@ -68,7 +68,7 @@ from accelnb.kernel.run.call_outcome import CallOutcome, Ending, HelperExit, Sto
 from accelnb.kernel.run.failure_report import exit_failure, is_peer_loss
 from accelnb.kernel.run.group.call_answers import CallAnswers, MetricSink, record_event
 from accelnb.kernel.run.group.call_protocol import CallProtocol, CallRanks, StopWhy
-from accelnb.kernel.run.group.channel_pump import EVERY_CHANNEL, Channel, ChannelPump
+from accelnb.kernel.run.group.channel_pump import EVERY_CHANNEL, Channel, ChannelPump, RankChannels
 from accelnb.kernel.run.group.live_stack_requests import STACK_DUMP_WAIT_S, LiveStackRequests
 from accelnb.kernel.run.group.prompt_answers import PromptAnswers
 from accelnb.kernel.run.group.rank_inboxes import RankInboxes
@@ -229,17 +229,18 @@ class WorkerGroup:
 
     def _send_call(self, answers: CallAnswers, payload: Packed, value_ranks: set[int]) -> None:
         assert answers.call_id is not None
-        self._inboxes.send_call(answers.call_id, payload, value_ranks, self._call_inboxes(answers),
-                                every_rank=answers.ranks is None)
+        inboxes = [channels.inbox for channels in self._call_channels(answers) if channels.inbox is not None]
+        self._inboxes.send_call(answers.call_id, payload, value_ranks, inboxes, every_rank=answers.ranks is None)
 
-    def _call_inboxes(self, answers: CallAnswers) -> list[socket.socket]:
-        """The inboxes of the live ranks the call runs on."""
-        return [channels.inbox for channels in self._channels.ranks if channels.inbox is not None
-                and self._processes.is_alive(channels.rank) and answers.runs_on(channels.rank)]
+    def _call_channels(self, answers: CallAnswers) -> list[RankChannels]:
+        """The channels of the live ranks the call runs on."""
+        return [channels for channels in self._channels.ranks
+                if self._processes.is_alive(channels.rank) and answers.runs_on(channels.rank)]
 
     def _request_stop(self, answers: CallAnswers) -> bool:
         assert answers.call_id is not None
-        return self._inboxes.send_stop_request(answers.call_id, self._call_inboxes(answers))
+        controls = [channels.control for channels in self._call_channels(answers) if channels.control is not None]
+        return self._inboxes.send_stop_request(answers.call_id, controls)
 
     def _show_request(self, by: str) -> None:
         announce_request(self.output, self.run, by)
@@ -260,7 +261,7 @@ class WorkerGroup:
     def _send_reply(self, rank: int, reply: InputReply) -> None:
         channels = self._channels.get(rank)
         if channels is not None and self._processes.is_alive(rank):
-            self._inboxes.send_reply(channels.inbox, reply)
+            self._inboxes.send_reply(channels.control, reply)
 
     # ── the pump: what the channels bring, to the piece it concerns ─────────────────────────
     def _pump(self, timeout: float, answers: CallAnswers) -> None:

@@ -5,8 +5,8 @@ A rank has no terminal (its fd 0 is not the user's), so without this ``input()``
 rank's ``builtins.input`` and ``sys.stdin``: each line is asked for with an
 :class:`~accelnb.wire.events.InputRequest` on the events socket, and the kernel answers with its
 own ``input()`` (Jupyter's input box in the launching cell, or the terminal of a script) through
-an :class:`~accelnb.wire.events.InputReply` on the rank's inbox, which the inbox reader hands to
-:func:`deliver`.
+an :class:`~accelnb.wire.events.InputReply` on the rank's control socket, which the control reader
+hands to :func:`deliver`.
 
     >>> attach(events, rank=1, flush=flush_streams)     # doctest: +SKIP  (worker set-up)
     >>> input("batch size? ")                           # the cell shows "[rank 1] batch size? "
@@ -14,11 +14,11 @@ an :class:`~accelnb.wire.events.InputReply` on the rank's inbox, which the inbox
 One prompt at a time per rank (threads of one rank queue up here; the kernel queues the ranks).
 The rank's stdout is flushed before each request, so what it printed reaches the cell before the
 prompt. A reply carries its request's id, and a rank interrupted while it waited drops the late
-reply: replies never desynchronise the inbox, which also carries calls.
+reply: replies never desynchronise the control socket, which also carries stop requests.
 
 Module-level state, one per rank process (a process is one rank, with one channel to the
 kernel): ``_rank``, ``_events`` and ``_flush`` (set when the rank attaches), ``_asking`` (one
-prompt at a time, whatever thread asks), ``_replies`` (the answers the inbox reader delivers) and
+prompt at a time, whatever thread asks), ``_replies`` (the answers the control reader delivers) and
 ``_request_ids``.
 """
 
@@ -52,7 +52,7 @@ def attach(events: MessageWriter, rank: int, flush: Callable[[], None]) -> None:
 
 
 def deliver(reply: InputReply) -> None:
-    """Hand a reply that came on the inbox to the prompt waiting for it (inbox reader thread)."""
+    """Hand a reply that came on the control socket to the prompt waiting for it (control reader thread)."""
     _replies.put(reply)
 
 

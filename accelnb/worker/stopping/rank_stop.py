@@ -6,7 +6,7 @@
 of a call when Stop is pressed and the call's code has shown it checks
 (:class:`~accelnb.wire.events.ChecksForStop`, sent at the code's first check of each call,
 :func:`announce_checking`). The rank's receiver hands the request over at any moment
-(:func:`deliver`: a local rank's inbox thread, a Ray actor's ``deliver``). Without a kernel to
+(:func:`deliver`: a local rank's control reader, a Ray actor's ``deliver``). Without a kernel to
 tell (a rank started outside accelnb) nothing is sent and no request comes: the code runs as if
 Stop were never pressed.
 

@@ -28,7 +28,7 @@ Protocol, over one private ``AF_UNIX``/``SOCK_SEQPACKET`` socketpair inherited f
   ``("followed", request_id, [failed module…])`` once every module was tried, or
   ``("unsafe", request_id, module, reason)`` (then and ever after);
 - kernel → template ``("spawn", request_id, [WorkerSpec…], group_ahead)`` with each worker's
-  fds attached (a :class:`~accelnb.wire.spec.RankFds` each: stdout, stderr, events, inbox, and
+  fds attached (a :class:`~accelnb.wire.spec.RankFds` each: stdout, stderr, events, inbox, control, and
   for rank 0 the TCPStore's listening socket; ``split_fds`` reads them back by name), and, where
   ``group_ahead`` (a :class:`~accelnb.wire.group_ahead.GroupAhead`) is not None, last the socket
   bound for the next launch's group, which the waiting children join ahead (``standby_ranks.py``);
@@ -335,7 +335,7 @@ def _become_worker(spec: Any, fds: RankFds, leave_template: bool) -> None:
             _leave_template()
         from accelnb.worker.main import worker_main
 
-        code = worker_main(spec, fds.inbox, fds.events, fds.store)
+        code = worker_main(spec, fds)
     except BaseException as error:
         _report_start_failure(spec.rank, stderr_fd, fds.events, error)
     finally:

@@ -55,11 +55,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accelnb.wire.group_ahead import GroupAhead, group_ahead
-from accelnb.wire.spec import RankFds, WorkerSpec, split_fds
+from accelnb.wire.spec import FDS_PER_RANK, RankFds, WorkerSpec, split_fds
 
 MAX_STANDBY = 16  # a launch of more ranks forks the rest; a waiting child holds about 2 MiB of its own
 MAX_SPEC_BYTES = 1 << 20
-MAX_FDS = 5  # a rank's RankFds: stdout, stderr, events, inbox, and maybe the store
+MAX_FDS = FDS_PER_RANK + 1  # a rank's RankFds: stdout, stderr, events, inbox, control, and maybe the store
 # What ps, top and psutil call a waiting child (the kernel's ``comm``, 15 bytes at most): someone
 # who finds idle processes under their kernel sees what they are, not a leak. The template carries
 # it while it forks one, so the child is born with it; a rank takes the template's name back.

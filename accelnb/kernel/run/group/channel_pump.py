@@ -1,8 +1,10 @@
-"""The four channels of each local rank, and the one selector that reads them.
+"""The five channels of each local rank, and the one selector that reads them.
 
-Each worker gets stdout and stderr pipes and two ``AF_UNIX`` stream sockets: ``events`` (rank to
-kernel: results, errors, metrics, prompts; big buffers travel as memfds, see ``wire/channel.py``)
-and ``inbox`` (kernel to rank, written by :mod:`~accelnb.kernel.run.group.rank_inboxes`).
+Each worker gets stdout and stderr pipes and three ``AF_UNIX`` stream sockets: ``events`` (rank to
+kernel: results, errors, metrics, prompts; big buffers travel as memfds, see ``wire/channel.py``),
+and ``inbox`` and ``control`` (kernel to rank, written by
+:mod:`~accelnb.kernel.run.group.rank_inboxes`: the calls, read by the rank's main thread between
+them, and what comes beside a running call, read by a thread of the rank; ``wire/spec.py``).
 :class:`ChannelPump` opens them, hands the workers' ends to the helper, and reads the kernel's
 ends, together with the helper's socket, in one selector: output goes to the
 :class:`~accelnb.kernel.display.output.OutputRouter`, each decoded event to the handler the caller
@@ -44,13 +46,15 @@ EventHandler = Callable[[int, Any], None]  # (rank, event)
 
 @dataclass
 class RankChannels:
-    """The kernel's ends of one rank's channels."""
+    """The kernel's ends of one rank's channels (the sockets the kernel writes are blocking: a
+    frame goes out whole)."""
 
     rank: int
     stdout_fd: int = -1
     stderr_fd: int = -1
     events: socket.socket | None = None  # non-blocking, read by the selector loop
-    inbox: socket.socket | None = None  # blocking: a call's frame goes out whole
+    inbox: socket.socket | None = None  # calls and Shutdown
+    control: socket.socket | None = None  # stop requests and input replies, beside a running call
     event_reader: MessageReader = field(default_factory=MessageReader)
 
     def fd(self, channel: Channel) -> int:
@@ -62,7 +66,7 @@ class RankChannels:
         with held_interrupts():  # all of them: a Ctrl-C after the first close would keep the rest
             for fd in (self.stdout_fd, self.stderr_fd):
                 _close_quietly(fd)
-            for sock in (self.events, self.inbox):
+            for sock in (self.events, self.inbox, self.control):
                 if sock is not None:
                     sock.close()
             self.event_reader.close()  # fds of a frame that never arrived whole
@@ -90,7 +94,7 @@ class ChannelPump:
 
     # ── opening ─────────────────────────────────────────────────────────────────────────────
     def open(self, rank: int) -> RankFds:
-        """One rank's four channels; returns the ends it gets."""
+        """One rank's five channels; returns the ends it gets."""
         if self._selector is None:
             self._selector = selectors.DefaultSelector()
         channels = RankChannels(rank)
@@ -106,7 +110,7 @@ class ChannelPump:
             self._step("pipe-opened")
             _enlarge(read_end)
             os.set_blocking(read_end, False)
-        for name in ("events", "inbox"):
+        for name in ("events", "inbox", "control"):
             ours, their_socket = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
             setattr(channels, name, ours)
             their_end = their_socket.detach()  # a plain fd from now on: _their_ends owns it
@@ -115,8 +119,8 @@ class ChannelPump:
             self._step("pipe-opened")
         assert channels.events is not None
         channels.events.setblocking(False)
-        stdout, stderr, events, inbox = theirs
-        return RankFds(stdout=stdout, stderr=stderr, events=events, inbox=inbox)
+        stdout, stderr, events, inbox, control = theirs
+        return RankFds(stdout=stdout, stderr=stderr, events=events, inbox=inbox, control=control)
 
     def close_their_ends(self) -> None:
         """The workers hold their ends now: closing ours makes end of file work both ways."""

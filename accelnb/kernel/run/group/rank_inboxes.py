@@ -1,12 +1,13 @@
-"""What the kernel writes into the local ranks' inboxes: a call, a reply to a prompt, a stop request,
-``Shutdown``.
+"""What the kernel writes to the local ranks: a call and ``Shutdown`` into their inboxes, a reply
+to a prompt and a stop request into their control sockets (``wire/spec.py`` says why two).
 
 A call is one frame for all ranks (its big buffers are written once, each rank maps them); a
-reply or ``Shutdown`` is one small frame for one rank. :class:`RankInboxes` also keeps how far the
-current call got (:attr:`~RankInboxes.phase`). A Ctrl-C while a call is written waits until every
-rank has it whole, then interrupts it as a running call; only what gets through anyway (a second
-Ctrl-C, for a rank too frozen to read) leaves half a frame in an inbox, and such inboxes take
-nothing more (:attr:`~RankInboxes.half_written`), so the group cannot go on.
+reply, a stop request or ``Shutdown`` is one small frame, each written whole.
+:class:`RankInboxes` also keeps how far the current call got (:attr:`~RankInboxes.phase`). A
+Ctrl-C while a call is written waits until every rank has it whole, then interrupts it as a
+running call; only what gets through anyway (a second Ctrl-C, for a rank too frozen to read)
+leaves half a frame in an inbox, and such inboxes take nothing more
+(:attr:`~RankInboxes.half_written`), so the group cannot go on.
 
     >>> inboxes = RankInboxes(on_step=None)                                         # doctest: +SKIP
     >>> inboxes.send_call(call_id, payload, value_ranks, [c.inbox, ...], every_rank=True)  # doctest: +SKIP
@@ -63,25 +64,26 @@ class RankInboxes:
             self.phase = "running"
             self._step("call-sent")
 
-    def send_reply(self, inbox: socket.socket | None, reply: InputReply) -> None:
-        """A rank's line for its prompt (or end of input); nothing when it cannot take it."""
-        if inbox is None or self.half_written:
+    def send_reply(self, control: socket.socket | None, reply: InputReply) -> None:
+        """A rank's line for its prompt (or end of input), to its control socket; nothing when
+        it cannot take it (a call half written into an inbox: the group is being stopped)."""
+        if control is None or self.half_written:
             return
         with encode(reply) as frame, held_interrupts():  # a reply goes out whole, or not at all
             try:
-                send_frame(inbox, frame)
+                send_frame(control, frame)
             except OSError:
                 pass  # it died meanwhile; its exit report explains why
 
-    def send_stop_request(self, call_id: int, inboxes: list[socket.socket]) -> bool:
-        """Ask these ranks to stop ``call_id`` at their next check; False (nothing sent) when an
-        inbox holds half a frame."""
+    def send_stop_request(self, call_id: int, controls: list[socket.socket]) -> bool:
+        """Ask the ranks of these control sockets to stop ``call_id`` at their next check; False
+        (nothing sent) when an inbox holds half a frame: its rank never got the call whole."""
         if self.half_written:
             return False
         with encode(StopRequest(call_id)) as frame, held_interrupts():  # whole, or not at all
-            for inbox in inboxes:
+            for control in controls:
                 try:
-                    send_frame(inbox, frame)
+                    send_frame(control, frame)
                 except OSError:
                     pass  # it died meanwhile; its exit report explains why
         return True
