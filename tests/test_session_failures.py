@@ -6,7 +6,8 @@
 - ``timeout=``: every rank's stack is shown, and the session is closed;
 - ``collect="all"``: every rank's value comes back through the session too;
 - accelnb's helper process dies, between calls or within one: the call raises ``HelperDied``
-  within 2 s, no worker is left, and the session reports itself closed.
+  within 2 s, no worker is left, and the session reports itself closed;
+- between calls a rank waits as a batch thread, and runs the code under the normal policy.
 
 Ranks keep state between calls in a module attribute (``sys._accelnb_test_state``), as a model
 built in one ``%%distributed`` cell is kept for the next.
@@ -414,3 +415,28 @@ def test_an_interrupt_that_found_some_ranks_done_says_their_variables_may_differ
         "variables may differ.")
     together = CallOutcome("interrupted", values={}, failures=interrupted, workers_kept=True)
     assert str(run_interrupted(together, persistent=True)).endswith("the session and its variables are kept.")
+
+
+def pid_and_scheduling_policy() -> tuple[int, int]:
+    return os.getpid(), os.sched_getscheduler(0)
+
+
+def become_an_idle_priority_thread() -> None:
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+def test_a_rank_waits_for_its_call_as_a_batch_thread_and_runs_the_code_as_a_normal_one(session: Session) -> None:
+    """Between calls a rank's main thread waits as a SCHED_BATCH thread, whose wake-up preempts
+    nobody (the kernel, still writing the call to the next rank); the code runs under the normal
+    policy, or under the one a cell chose."""
+    ranks = session.run(pid_and_scheduling_policy, collect="all").values
+    assert [policy for _, policy in ranks.values()] == [os.SCHED_OTHER, os.SCHED_OTHER]
+    for pid, _ in ranks.values():  # the main thread's id is the pid
+        deadline = time.monotonic() + 10
+        while os.sched_getscheduler(pid) != os.SCHED_BATCH:  # it gets there once its answer is out
+            assert time.monotonic() < deadline, f"rank {pid} waits as policy {os.sched_getscheduler(pid)}"
+            time.sleep(0.01)
+
+    session.run(become_an_idle_priority_thread, ranks=[1])
+    ranks = session.run(pid_and_scheduling_policy, collect="all").values
+    assert [policy for _, policy in ranks.values()] == [os.SCHED_OTHER, os.SCHED_IDLE]  # the code's choice stays
