@@ -99,7 +99,8 @@ def test_stacks_of_a_session_between_cells(tmp_path: Path) -> None:
         between_cells = accelnb.stacks()  # nobody pumps now: this thread reads the dumps itself
         assert set(between_cells) == {0, 1}
         assert all("waiting_in_a_known_place" not in text for text in between_cells.values())
-        assert all("most recent call first" in text for text in between_cells.values()), between_cells
+        assert all("most recent call first" in text and "waiting for the next call" in text
+                   for text in between_cells.values()), between_cells
         assert session.alive
         assert session.run(os.getpid).values.keys() == {0, 1}  # still usable afterwards
 

@@ -3,7 +3,9 @@
 A worker's dump (asked for at a timeout and for live stacks, ``worker/interactive/stack_dump.py``; or
 faulthandler's own, on a segfault) lists accelnb's own
 helper threads and the frames that lead from the helper process into the user's function. Neither
-helps anyone find a hang, so they are dropped here; everything else is kept verbatim.
+helps anyone find a hang, so they are dropped here; everything else is kept verbatim. A thread
+left with no frame at all (a rank's main thread in accelnb's own code, waiting for its next call)
+says so, rather than showing a bare header.
 
 A live dump arrives on the rank's stderr mixed with whatever the rank itself writes there;
 :func:`split_stack_dump` tells the two apart, so the rank's own lines still reach the cell.
@@ -15,6 +17,7 @@ import os
 import re
 from pathlib import Path
 
+ONLY_OUR_FRAMES = "  (accelnb's own frames only: waiting for the next call, or handling one)"
 # accelnb/ (this file is accelnb/kernel/stacks/…) with a trailing separator: every frame under it is
 # ours, whichever subpackage.
 _PACKAGE_ROOT = str(Path(os.path.abspath(__file__)).parents[2]) + os.sep
@@ -57,10 +60,11 @@ def clean_stack_dump(text: str) -> str:
     for block in blocks:
         if _is_our_thread(block):
             continue
-        for line in block:
-            if _PACKAGE_ROOT in line or "<frozen runpy>" in line or line.startswith("Extension modules:"):
-                continue
-            kept.append(line)
+        lines = [line for line in block
+                 if not (_PACKAGE_ROOT in line or "<frozen runpy>" in line or line.startswith("Extension modules:"))]
+        if lines and _THREAD_HEADER.match(lines[0]) and not any(line.strip() for line in lines[1:]):
+            lines.insert(1, ONLY_OUR_FRAMES)  # a main thread in accelnb alone: a bare header says nothing
+        kept.extend(lines)
     return "\n".join(kept).strip("\n")
 
 
