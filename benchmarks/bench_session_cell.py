@@ -5,9 +5,11 @@
 
 What a user sees is the time from pressing Shift-Enter to the cell's end, so each figure is a
 Jupyter client's round trip: ``execute_interactive`` (the execute request, every IOPub message up
-to "idle", the reply), the way JupyterLab waits for a cell. Three kernels, started alike
-(``jupyter_client``, the ``python3`` kernel of this environment), each measured in rounds that
-alternate between them, so that the load of a shared machine hits all alike:
+to "idle", the reply), the way JupyterLab waits for a cell. Kernels started alike
+(``jupyter_client``, the ``python3`` kernel of this environment), two of each kind (``--kernels``),
+each measured in rounds that alternate between them, so that the load of a shared machine hits all
+alike; each kind's figures pool its kernels, as two kernels running the same code differ by up to
+~10 % (Python's memory layout and hash seeds differ between processes):
 
 - ``plain``: ``x = 1`` in a kernel that imported torch and accelnb and loaded its magic (what
   Jupyter makes every cell cost);
@@ -184,17 +186,18 @@ def _on_cpu(pid: int) -> float | None:
     return total / 1e9
 
 
-def cell_round_trips(kinds: list[str], rounds: int, per_round: int,
-                     cpu: dict[str, CpuSpent] | None = None) -> dict[str, list[float]]:
-    """Each kind's kernel, set up once; then ``rounds`` rounds of ``per_round`` cells each, the
-    kinds taking turns round by round. ``cpu``: where each kind's CPU per cell is added up."""
-    kernels: dict[str, tuple[Any, Any]] = {}
+def cell_round_trips(kinds: list[str], rounds: int, per_round: int, cpu: dict[str, CpuSpent] | None = None,
+                     copies: int = 1, per_kernel: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+    """``copies`` kernels of each kind, set up once; then ``rounds`` rounds of ``per_round`` cells
+    on each, the kernels taking turns round by round. A kind's times pool its kernels. ``cpu``: where
+    each kind's CPU per cell is added up; ``per_kernel``: each kernel's median, kind by kind."""
+    kernels: dict[tuple[str, int], tuple[Any, Any]] = {}
     numbers = itertools.count()
-    times: dict[str, list[float]] = {kind: [] for kind in kinds}
+    times: dict[tuple[str, int], list[float]] = {(kind, copy): [] for copy in range(copies) for kind in kinds}
     spent = cpu if cpu is not None else {}
     try:
-        for kind in kinds:
-            manager, client = kernels[kind] = start_kernel()
+        for kind, copy in times:
+            manager, client = kernels[kind, copy] = start_kernel()
             run(client, FIRST_CELL)
             if kind.startswith("accelnb"):
                 run(client, SESSION_START)
@@ -205,16 +208,19 @@ def cell_round_trips(kinds: list[str], rounds: int, per_round: int,
             for _ in range(5):  # warm-up, not counted
                 run(client, CELLS[kind].format(n=next(numbers)))
         for _ in range(rounds):
-            for kind in kinds:
-                manager, client = kernels[kind]
+            for kind, copy in times:
+                manager, client = kernels[kind, copy]
                 kernel_pid = manager.provisioner.process.pid
                 before = cpu_now(kernel_pid) if SCHEDSTAT else None  # without it the CPU rows say n/a
-                times[kind] += [run(client, CELLS[kind].format(n=next(numbers))) for _ in range(per_round)]
+                times[kind, copy] += [run(client, CELLS[kind].format(n=next(numbers))) for _ in range(per_round)]
                 if before is not None:
                     spent.setdefault(kind, CpuSpent()).add(before, cpu_now(kernel_pid), per_round)
-        return times
+        if per_kernel is not None:
+            for (kind, _copy), values in times.items():
+                per_kernel.setdefault(kind, []).append(statistics.median(values))
+        return {kind: [t for (of, _copy), values in times.items() if of == kind for t in values] for kind in kinds}
     finally:
-        for kind, (manager, client) in kernels.items():
+        for (kind, _copy), (manager, client) in kernels.items():
             try:
                 stop = ("%distributed stop" if kind.startswith("accelnb")
                         else PX_STOP if kind == "ipyparallel" else FLOOR_STOP if kind == "floor" else "pass")
@@ -263,8 +269,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--quick", action="store_true", help="few repeats (a smoke run)")
     parser.add_argument("--no-write", action="store_true", help="leave benchmarks/RESULTS.md as it is")
+    parser.add_argument("--kernels", type=int, default=None, help="kernels of each kind (default 2; 1 with --quick)")
     options = parser.parse_args()
     rounds, per_round, starts = (2, 5, 1) if options.quick else (10, 10, 3)
+    copies = options.kernels or (1 if options.quick else 2)
     try:
         import ipyparallel  # noqa: F401
         kinds = ["plain", "floor", "accelnb", "accelnb_new_name", "ipyparallel"]
@@ -275,7 +283,8 @@ def main() -> None:
     load_before = os.getloadavg()
     began = time.monotonic()
     cpu: dict[str, CpuSpent] = {}
-    cells = cell_round_trips(kinds, rounds, per_round, cpu)
+    per_kernel: dict[str, list[float]] = {}
+    cells = cell_round_trips(kinds, rounds, per_round, cpu, copies, per_kernel)
     start_times = {kind: session_starts(kind, starts) for kind in ("accelnb", "ipyparallel") if kind in kinds}
     load_after = os.getloadavg()
 
@@ -293,7 +302,8 @@ def main() -> None:
         *([f"- {missing}"] if missing else []), "",
         "### 1. A cell's round trip, Shift-Enter to the cell's end (ms)", "",
         f"`x = 1` as a plain cell, a `%%distributed` cell in a session of 2 CPU ranks, a `%%px` cell on 2 "
-        f"engines; {rounds} rounds of {per_round} cells each, the kernels taking turns. The `%%distributed` "
+        f"engines; {copies} kernel{'s' if copies > 1 else ''} of each kind, {rounds} rounds of {per_round} "
+        "cells on each, the kernels taking turns; a kind's figures pool its kernels. The `%%distributed` "
         "cell brings `x` back from rank 0 and names it the first time only (the same names again: nothing "
         "new to say); `x<n> = 1` brings back a new name each time, and its cell says so, one line more.", "",
         *table([("plain cell", cells.get("plain", [])),
@@ -301,6 +311,9 @@ def main() -> None:
                 ("accelnb %%distributed", cells.get("accelnb", [])),
                 ("accelnb %%distributed, a new name each cell", cells.get("accelnb_new_name", [])),
                 ("ipyparallel %%px", cells.get("ipyparallel", []))], 1000, "ms"), "",
+        "Each kernel's median (ms): " + "; ".join(
+            f"{kind} " + " / ".join(f"{value * 1000:.2f}" for value in values) for kind, values in per_kernel.items())
+        + ".", "",
         "| ratio (medians) | value | target | verdict |", "| --- | ---: | ---: | ---: |",
         ratio_row("accelnb cell / plain cell", ours / plain if ours and plain else None, "≤ 1.2", lambda v: v <= 1.2),
         ratio_row("accelnb cell, a new name each cell / plain cell", ours_new / plain if ours_new and plain else None,
