@@ -105,9 +105,10 @@ def _route_in_place() -> Iterator[_Route | None]:
         _take_route_away(route)
 
 
-def _put_route_in_place() -> _Route:
+def _put_route_in_place(holds: int = 0) -> _Route:
     global _route
     route = _Route()
+    route.holds = holds  # a hold that puts the route in place holds from the handler's first instant
     route.target = signal.signal(signal.SIGINT, route)
     _route = route
     return route
@@ -165,10 +166,11 @@ class _Hold:
             return  # the block runs as it is
         route = _route
         if route is None:
-            route = _put_route_in_place()
+            route = _put_route_in_place(holds=1)
             self._owns_route = True
+        else:
+            route.holds += 1
         self._route = route
-        route.holds += 1
         self._outer_wish, route.second_goes_through = route.second_goes_through, self._second_goes_through
 
     def __exit__(self, *exception: object) -> None:

@@ -166,12 +166,12 @@ def _wait_as_batch() -> bool:
     True when it was made one.
 
     The kernel writes a call to its ranks one after the other. A normal thread woken by the first
-    write may preempt the kernel on its core before the second write goes out: on 2 cores the
-    kernel's two writes took 450 µs of a session cell's ~1.2 ms instead of 35, and the second rank
-    started that much later. A batch thread's wake-up preempts nobody: it runs on a free core, or
-    once the kernel waits for the answers. The thread is normal again as soon as it has its call
-    (:func:`_run_as_normal`): the code runs as it would without us. A policy of the code's own (a
-    real-time one, say) is left as it is."""
+    write may preempt the kernel on its core before the second write goes out, and the second rank
+    starts that much later (on 2 cores, with IPython's history writes deferred, the two writes took
+    223 µs with the ranks normal, 35 with them batch: ``benchmarks/RESULTS.md``). A batch thread's
+    wake-up preempts nobody: it runs on a free core, or once the kernel waits for the answers.
+    The thread is normal again as soon as it has its call (:func:`_run_as_normal`): the code runs
+    as it would without us. A policy of the code's own (a real-time one, say) is left as it is."""
     try:
         if os.sched_getscheduler(0) != os.SCHED_OTHER:
             return False
