@@ -12,7 +12,9 @@ alike; each kind's figures pool its kernels, as two kernels running the same cod
 ~10 % (Python's memory layout and hash seeds differ between processes):
 
 - ``plain``: ``x = 1`` in a kernel that imported torch and accelnb and loaded its magic (what
-  Jupyter makes every cell cost);
+  Jupyter makes every cell cost); ``plain_line``: the same cell printing one line, as long as the
+  line a ``%%distributed`` cell prints when it brings back a new name (one stream message, which
+  costs Jupyter's kernel ~0.7 ms of CPU: the scale for the "new name" row);
 - ``accelnb``: ``%%distributed`` + ``x = 1`` in a session of 2 CPU ranks (``%distributed start
   --procs 2 --cpu``), which runs the line on both ranks and returns when both answered;
 - ``ipyparallel``: ``%%px`` + ``x = 1`` on a cluster of 2 engines (``ipp.Cluster(n=2)``), the
@@ -60,7 +62,8 @@ PX_STOP = "rc.close(); cluster.stop_cluster_sync()"
 # "{n}": the cell's number. accelnb names what a cell brought back only when that changed, so the
 # same cell run again prints nothing; "accelnb_new_name" brings back a new name every time, and
 # pays for the line that says so (one more IOPub message).
-CELLS = {"plain": "x = 1", "accelnb": "%%distributed\nx = 1", "accelnb_new_name": "%%distributed\nx{n} = 1",
+CELLS = {"plain": "x = 1", "plain_line": "x = 1\nprint('accelnb: brought back from rank 0: x')",
+         "accelnb": "%%distributed\nx = 1", "accelnb_new_name": "%%distributed\nx{n} = 1",
          "ipyparallel": "%%px\nx = 1", "floor": "%%floor\nx = 1"}
 # The floor's two processes: read a length-prefixed source from stdin, exec it, answer one byte.
 FLOOR_PROCESS = ("import os, struct\nnamespace = {}\nwhile True:\n    head = os.read(0, 4)\n    if not head: break\n"
@@ -275,10 +278,10 @@ def main() -> None:
     copies = options.kernels or (1 if options.quick else 2)
     try:
         import ipyparallel  # noqa: F401
-        kinds = ["plain", "floor", "accelnb", "accelnb_new_name", "ipyparallel"]
+        kinds = ["plain", "plain_line", "floor", "accelnb", "accelnb_new_name", "ipyparallel"]
         missing = ""
     except ImportError:
-        kinds = ["plain", "floor", "accelnb", "accelnb_new_name"]
+        kinds = ["plain", "plain_line", "floor", "accelnb", "accelnb_new_name"]
         missing = "ipyparallel is not installed (`pip install ipyparallel`): its rows are n/a"
     load_before = os.getloadavg()
     began = time.monotonic()
@@ -293,6 +296,7 @@ def main() -> None:
 
     plain, ours, px = median(cells.get("plain")), median(cells.get("accelnb")), median(cells.get("ipyparallel"))
     ours_new, floor = median(cells.get("accelnb_new_name")), median(cells.get("floor"))
+    plain_line = median(cells.get("plain_line"))
     lines = [
         HEADING, "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {os.cpu_count()} CPUs "
@@ -307,6 +311,7 @@ def main() -> None:
         "cell brings `x` back from rank 0 and names it the first time only (the same names again: nothing "
         "new to say); `x<n> = 1` brings back a new name each time, and its cell says so, one line more.", "",
         *table([("plain cell", cells.get("plain", [])),
+                ("plain cell printing one line", cells.get("plain_line", [])),
                 ("%%floor: a bare round trip to 2 processes", cells.get("floor", [])),
                 ("accelnb %%distributed", cells.get("accelnb", [])),
                 ("accelnb %%distributed, a new name each cell", cells.get("accelnb_new_name", [])),
@@ -319,6 +324,8 @@ def main() -> None:
         ratio_row("accelnb cell, a new name each cell / plain cell", ours_new / plain if ours_new and plain else None,
                   "≤ 1.2", lambda v: v <= 1.2),
         ratio_row("accelnb cell / %%px cell", ours / px if ours and px else None, "≤ 0.4", lambda v: v <= 0.4),
+        f"| (for scale) accelnb cell, a new name each cell / plain cell printing one line | "
+        f"{_ratio(ours_new, plain_line)} | – | – |",
         f"| (for scale) %%floor cell / plain cell | {_ratio(floor, plain)} | – | – |",
         f"| (for scale) %%floor cell / %%px cell | {_ratio(floor, px)} | – | – |",
         f"| (for scale) accelnb cell / %%floor cell | {_ratio(ours, floor)} | – | – |", "",
@@ -330,7 +337,8 @@ def main() -> None:
         "same cells: what each tool costs the machine, steadier than wall time on a shared machine. "
         "\"Its processes\": a session's ranks and helper, ipyparallel's controller and engines, the floor's 2. The "
         "plain cell's row is Jupyter's own cost, which every cell pays.", "",
-        *cpu_table([("plain cell", cpu.get("plain")), ("%%floor", cpu.get("floor")),
+        *cpu_table([("plain cell", cpu.get("plain")), ("plain cell printing one line", cpu.get("plain_line")),
+                    ("%%floor", cpu.get("floor")),
                     ("accelnb %%distributed", cpu.get("accelnb")),
                     ("accelnb %%distributed, a new name each cell", cpu.get("accelnb_new_name")),
                     ("ipyparallel %%px", cpu.get("ipyparallel"))]), "",
