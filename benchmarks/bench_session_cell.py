@@ -17,6 +17,10 @@ alike; each kind's figures pool its kernels, as two kernels running the same cod
   costs Jupyter's kernel ~0.7 ms of CPU: the scale for the "new name" row);
 - ``accelnb``: ``%%distributed`` + ``x = 1`` in a session of 2 CPU ranks (``%distributed start
   --procs 2 --cpu``), which runs the line on both ranks and returns when both answered;
+- ``plain_after_many`` and ``accelnb_after_many``: the same cells in kernels that first ran
+  :data:`MANY_CELLS` distinct cells, as a notebook does over a day's work (each is an entry in
+  ``linecache``, a name in the namespace): what grows with the notebook shows here (each
+  ``%%distributed`` cell looked through every cell's source until 5dc5619: 2 ms more after 3,000);
 - ``ipyparallel``: ``%%px`` + ``x = 1`` on a cluster of 2 engines (``ipp.Cluster(n=2)``), the
   tool people use for persistent engines in a notebook; blocking, as ``%%px`` is by default;
 - ``floor``: ``%%floor`` + ``x = 1``, a cell magic written here that does the least any tool could:
@@ -64,7 +68,9 @@ PX_STOP = "rc.close(); cluster.stop_cluster_sync()"
 # pays for the line that says so (one more IOPub message).
 CELLS = {"plain": "x = 1", "plain_line": "x = 1\nprint('accelnb: brought back from rank 0: x')",
          "accelnb": "%%distributed\nx = 1", "accelnb_new_name": "%%distributed\nx{n} = 1",
-         "ipyparallel": "%%px\nx = 1", "floor": "%%floor\nx = 1"}
+         "ipyparallel": "%%px\nx = 1", "floor": "%%floor\nx = 1",
+         "plain_after_many": "x = 1", "accelnb_after_many": "%%distributed\nx = 1"}
+MANY_CELLS = 1000  # distinct cells the *_after_many kernels run first
 # The floor's two processes: read a length-prefixed source from stdin, exec it, answer one byte.
 FLOOR_PROCESS = ("import os, struct\nnamespace = {}\nwhile True:\n    head = os.read(0, 4)\n    if not head: break\n"
                  "    size, = struct.unpack('<I', head)\n    source = b''\n"
@@ -208,6 +214,9 @@ def cell_round_trips(kinds: list[str], rounds: int, per_round: int, cpu: dict[st
                 run(client, PX_START)
             elif kind == "floor":
                 run(client, FLOOR_START)
+            if kind.endswith("_after_many"):
+                for number in range(MANY_CELLS):
+                    run(client, f"y{number} = {number}  # a distinct cell, as a notebook's are")
             for _ in range(5):  # warm-up, not counted
                 run(client, CELLS[kind].format(n=next(numbers)))
         for _ in range(rounds):
@@ -278,10 +287,12 @@ def main() -> None:
     copies = options.kernels or (1 if options.quick else 2)
     try:
         import ipyparallel  # noqa: F401
-        kinds = ["plain", "plain_line", "floor", "accelnb", "accelnb_new_name", "ipyparallel"]
+        kinds = ["plain", "plain_line", "floor", "accelnb", "accelnb_new_name", "plain_after_many",
+                 "accelnb_after_many", "ipyparallel"]
         missing = ""
     except ImportError:
-        kinds = ["plain", "plain_line", "floor", "accelnb", "accelnb_new_name"]
+        kinds = ["plain", "plain_line", "floor", "accelnb", "accelnb_new_name", "plain_after_many",
+                 "accelnb_after_many"]
         missing = "ipyparallel is not installed (`pip install ipyparallel`): its rows are n/a"
     load_before = os.getloadavg()
     began = time.monotonic()
@@ -297,6 +308,7 @@ def main() -> None:
     plain, ours, px = median(cells.get("plain")), median(cells.get("accelnb")), median(cells.get("ipyparallel"))
     ours_new, floor = median(cells.get("accelnb_new_name")), median(cells.get("floor"))
     plain_line = median(cells.get("plain_line"))
+    plain_many, ours_many = median(cells.get("plain_after_many")), median(cells.get("accelnb_after_many"))
     lines = [
         HEADING, "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {os.cpu_count()} CPUs "
@@ -315,6 +327,8 @@ def main() -> None:
                 ("%%floor: a bare round trip to 2 processes", cells.get("floor", [])),
                 ("accelnb %%distributed", cells.get("accelnb", [])),
                 ("accelnb %%distributed, a new name each cell", cells.get("accelnb_new_name", [])),
+                (f"plain cell, after {MANY_CELLS:,} distinct cells", cells.get("plain_after_many", [])),
+                (f"accelnb %%distributed, after {MANY_CELLS:,} distinct cells", cells.get("accelnb_after_many", [])),
                 ("ipyparallel %%px", cells.get("ipyparallel", []))], 1000, "ms"), "",
         "Each kernel's median (ms): " + "; ".join(
             f"{kind} " + " / ".join(f"{value * 1000:.2f}" for value in values) for kind, values in per_kernel.items())
@@ -326,6 +340,8 @@ def main() -> None:
         ratio_row("accelnb cell / %%px cell", ours / px if ours and px else None, "≤ 0.4", lambda v: v <= 0.4),
         f"| (for scale) accelnb cell, a new name each cell / plain cell printing one line | "
         f"{_ratio(ours_new, plain_line)} | – | – |",
+        f"| (for scale) accelnb cell / plain cell, both after {MANY_CELLS:,} distinct cells | "
+        f"{_ratio(ours_many, plain_many)} | – | – |",
         f"| (for scale) %%floor cell / plain cell | {_ratio(floor, plain)} | – | – |",
         f"| (for scale) %%floor cell / %%px cell | {_ratio(floor, px)} | – | – |",
         f"| (for scale) accelnb cell / %%floor cell | {_ratio(ours, floor)} | – | – |", "",
@@ -341,6 +357,8 @@ def main() -> None:
                     ("%%floor", cpu.get("floor")),
                     ("accelnb %%distributed", cpu.get("accelnb")),
                     ("accelnb %%distributed, a new name each cell", cpu.get("accelnb_new_name")),
+                    (f"plain cell, after {MANY_CELLS:,} distinct cells", cpu.get("plain_after_many")),
+                    (f"accelnb %%distributed, after {MANY_CELLS:,} distinct cells", cpu.get("accelnb_after_many")),
                     ("ipyparallel %%px", cpu.get("ipyparallel"))]), "",
         "### 2. Session start, from a kernel with everything imported (s)", "",
         *table([("accelnb `%distributed start --procs 2 --cpu`", start_times.get("accelnb", [])),
