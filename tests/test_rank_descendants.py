@@ -265,8 +265,8 @@ def test_the_helper_reports_a_rank_ended_only_once_what_it_started_is_gone() -> 
     try:
         socket.send_fds(helper.sock, [pickle.dumps(("spawn", 1, [one_rank_spec(store.getsockname()[1])], None))],
                         theirs)
-        kind, _, pids = helper.receive(60.0)
-        assert kind == "spawned"
+        kind, _, pids, sources_held = helper.receive(60.0)
+        assert (kind, sources_held) == ("spawned", 0)
         for fd in theirs[:-1]:
             os.close(fd)
         store.close()  # the worker holds the store's socket now

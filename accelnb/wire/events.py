@@ -29,7 +29,7 @@ class RunCall:
     payload: Packed  # ``wire/buffers.dump`` of (fn, args, kwargs)
     value_ranks: frozenset[int]
     # Sources the rank cannot read from disk (notebook cells): filename → text, for its
-    # debugger's and tracebacks' lines (``kernel/run/cell_sources.py``).
+    # debugger's and tracebacks' lines (``kernel/helper/cell_sources.py``).
     sources: tuple[tuple[str, str], ...] = ()
 
 

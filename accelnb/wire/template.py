@@ -1,4 +1,4 @@
-"""What the kernel tells its template about the imports to follow (``worker/template/helper.py``'s protocol).
+"""What the kernel tells its template: imports to follow, cell sources (``worker/template/helper.py``'s protocol).
 
 The template (accelnb's helper process, the clean interpreter every rank is forked from) imports
 what the kernel has imported, so that a rank finds its libraries loaded without being a fork of
@@ -7,10 +7,16 @@ template takes the kernel's ``sys.path``, working directory and environment as t
 imports each module, and answers ``("followed", request_id, failed)`` once all were tried, or
 ``("unsafe", request_id, module, reason)`` when an import left it unfit to fork (a thread started,
 CUDA initialised): it then forks nothing more, and the kernel starts another without that module.
+
+Before a launch, the kernel also sends the notebook's cell sources the template does not have yet
+(``("sources", count)``, no answer), in a file of their own (:func:`sources_file`): the first
+launch of a long notebook has a megabyte of them, past what one message on the socket may carry.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
 from dataclasses import dataclass
 
 # Asked for ahead of the kernel's own modules: what training touches first and a kernel may not
@@ -44,3 +50,26 @@ class FollowImports:
     env: dict[str, str]
     urgent: bool = False
     optional: bool = False
+
+
+def sources_file(sources: tuple[tuple[str, str], ...]) -> int:
+    """A file in memory holding ``sources`` ((filename, text), as ``kernel/helper/cell_sources.py``
+    finds them), read from its start: its fd goes with the ``("sources", count)`` message."""
+    fd = os.memfd_create("accelnb-cell-sources", os.MFD_CLOEXEC)
+    try:
+        data = pickle.dumps(sources, protocol=pickle.HIGHEST_PROTOCOL)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.lseek(fd, 0, os.SEEK_SET)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_sources_file(fd: int) -> tuple[tuple[str, str], ...]:
+    """What :func:`sources_file` wrote; closes ``fd``."""
+    with os.fdopen(fd, "rb") as file:
+        sources: tuple[tuple[str, str], ...] = pickle.load(file)
+    return sources

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import bdb
 import io
-import linecache
 import os
 import runpy
 import sys
@@ -46,6 +45,7 @@ from accelnb.wire.events import CallError, CallResult, RunCall
 from accelnb.wire.result_pickling import dumps_exception_for_kernel, dumps_for_kernel
 from accelnb.wire.spec import WorkerSpec
 from accelnb.worker import library_progress, report, restarts, step_timing
+from accelnb.worker.cell_sources import register_cell_sources
 from accelnb.worker.interactive import rank_debugger, rank_input
 from accelnb.worker.interactive.rank_interrupts import CallInterrupts
 from accelnb.worker.other_launchers import launches_inside, process_group
@@ -139,7 +139,7 @@ def run_call(rank: int, call: RunCall, events: channel.MessageWriter, interrupts
     value = None
     try:
         interrupts.hold()
-        _register_sources(call.sources)
+        register_cell_sources(call.sources)
         process_group.ensure_default_group()  # a session's earlier call may have destroyed it
         agreeing = _stop_agreement
         if agreeing:
@@ -177,14 +177,6 @@ def _answer(events: channel.MessageWriter, answer: CallResult | CallError, inter
     interrupts.drop()
     flush_streams_and_metrics()
     events.send(answer)
-
-
-def _register_sources(sources: tuple[tuple[str, str], ...]) -> None:
-    """Notebook cells' text, so that the debugger and tracebacks show the lines of notebook code."""
-    for filename, text in sources:
-        if filename not in linecache.cache:
-            lines = text.splitlines(keepends=True)
-            linecache.cache[filename] = (len(text), None, lines, filename)
 
 
 def describe_error(rank: int, call_id: int | None, error: BaseException) -> CallError:

@@ -10,7 +10,8 @@ whichever thread reads it, waits in :meth:`WorkerHelper.take_exit` for the group
 
     >>> helper = WorkerHelper()                          # 1-2 s until ready (import torch)
     >>> helper.follow(["transformers"], wait=True)       # imports what the kernel has
-    >>> pids = helper.spawn(specs, fds)                  # ms: forks one worker per spec
+    >>> spawned = helper.spawn(specs, fds)               # ms: forks one worker per spec
+    >>> spawned.pids, spawned.newest_source              # and the cell sources they have
 
 The template can die at any moment (the OOM killer picks it, a user's ``kill``). Its end of the
 socket then closes: :attr:`WorkerHelper.lost` becomes True, whoever waits on it stops waiting,
@@ -27,6 +28,11 @@ template a freshly bound rendezvous socket for the next launch like it: its wait
 join that launch's group on it. The kernel keeps its own copy, which
 :meth:`WorkerHelper.take_group_ahead` gives the next launch when it is alike, and which the
 next spawn closes when it was not used (the template lets that group go on any spawn).
+
+Each spawn first gives the template the notebook's cell sources it does not have yet
+(``kernel/helper/cell_sources.py``), so a launch's call carries its ranks only those they lack
+(:attr:`SpawnedRanks.newest_source`): a launch after 3,000 cells wrote and registered 0.7 MB of
+them into every rank (``benchmarks/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -46,12 +52,13 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from accelnb.errors import WorkerStartError
+from accelnb.kernel.helper.cell_sources import in_memory_sources
 from accelnb.kernel.helper.process_exits import HelperExit, helper_died
 from accelnb.kernel.planning.ports import bind_rendezvous_socket
 from accelnb.wire.group_ahead import GroupAhead
 from accelnb.wire.held_interrupts import held_interrupts
 from accelnb.wire.spec import RankFds, WorkerSpec
-from accelnb.wire.template import FollowImports
+from accelnb.wire.template import FollowImports, sources_file
 
 HELPER_MODULE = "accelnb.worker.template.helper"  # named, not imported: it runs on the worker side
 START_TIMEOUT_S = 120.0
@@ -72,6 +79,16 @@ class HelperSource(Protocol):
     """Where a launch gets its ready template: ``template.shared_helper``, or a test's own."""
 
     def __call__(self, *, on_step: StepHook | None = None) -> WorkerHelper: ...
+
+
+@dataclass(frozen=True)
+class SpawnedRanks:
+    """What a spawn started: ``pids`` in the order of its specs; ``newest_source``, the newest of
+    the notebook's cell sources that every one of them has from the template (and so every older
+    one: they go to the template in order), None when they have none."""
+
+    pids: list[int]
+    newest_source: str | None
 
 
 @dataclass(frozen=True)
@@ -141,6 +158,11 @@ class WorkerHelper:
         # The group the template's waiting children join ahead, and our copy of its bound socket.
         self._ahead: tuple[GroupAhead, socket.socket] | None = None
         self.pid = self._process.pid
+        # The cell sources given to the template: their names, how many (the count it keeps), and
+        # for each count it was given, the newest source it had then (``cell_sources.py``).
+        self._sources_given: set[str] = set()
+        self._sources_count = 0
+        self._newest_given_at: dict[int, str] = {}
         # One exchange on the socket at a time: the launches of a sweep share the helper.
         self._lock = threading.RLock()
 
@@ -253,10 +275,12 @@ class WorkerHelper:
 
     # ── forking workers ─────────────────────────────────────────────────────────────────────
     def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[RankFds], on_step: StepHook | None = None, *,
-              next_group: GroupAhead | None = None, forked: Callable[[list[int]], None] | None = None) -> list[int]:
+              next_group: GroupAhead | None = None, forked: Callable[[list[int]], None] | None = None,
+              ) -> SpawnedRanks:
         """Fork one worker per spec, handing it ``fds`` (the spec's, in the same order); returns
-        their pids. ``next_group``: the group of a next launch like this one (``group_ahead(specs)``),
-        which the template's waiting children then join ahead (``wire/group_ahead.py``); None: none.
+        their pids, and which cell sources they have. ``next_group``: the group of a next launch
+        like this one (``group_ahead(specs)``), which the template's waiting children then join
+        ahead (``wire/group_ahead.py``); None: none.
         ``forked(pids)`` is called with Ctrl-C held, as soon as the pids are known: an interrupt
         after that finds them in the caller's hands, never lost on the way back.
 
@@ -277,6 +301,7 @@ class WorkerHelper:
                 # noted for nobody. A second Ctrl-C gets out of a send that blocks.
                 with held_interrupts(second_one_goes_through=True):
                     try:
+                        self._give_sources()
                         socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs), ahead))],
                                         [fd for each in fds for fd in each.flat()]
                                         + ([] if next_socket is None else [next_socket.fileno()]))
@@ -310,8 +335,25 @@ class WorkerHelper:
                                        f"{SPAWN_TIMEOUT_S:g} s; they were stopped. Try again.")
             if reply[0] == "spawn_failed":
                 raise WorkerStartError(f"accelnb's helper process could not fork the workers: {reply[2]}")
-            pids: list[int] = reply[2]
-            return pids
+            return SpawnedRanks(reply[2], self._newest_given_at.get(reply[3]))
+
+    def _give_sources(self) -> None:
+        """Send the template the cell sources it lacks, newest first (hold the lock and interrupts)."""
+        sources = in_memory_sources(already_sent=self._sources_given)
+        if not sources:
+            return
+        fd = sources_file(sources)
+        count = self._sources_count + len(sources)
+        try:
+            # The count is ours: sent, then a second Ctrl-C before they are noted here, they go
+            # again with the next launch under a new count, and the count the template had
+            # meanwhile names none (a call then carries its ranks all of them).
+            socket.send_fds(self._sock, [pickle.dumps(("sources", count))], [fd])
+        finally:
+            os.close(fd)
+        self._sources_given.update(filename for filename, _ in sources)
+        self._sources_count = count
+        self._newest_given_at[count] = sources[0][0]
 
     @property
     def socket_held_ahead(self) -> socket.socket | None:

@@ -11,7 +11,6 @@
 - ``launch_result``: what a finished launch hands back;
 - ``run_state``: the state of the run in progress, for displays, and ``request_stop()``;
 - ``rank_prompts``: answering the ranks' ``input()`` and ``(Pdb)`` prompts;
-- ``cell_sources``: the notebook's cell sources each call carries to the ranks;
 - ``live_stacks``: ``accelnb.stacks()``, the running ranks' stacks without stopping them;
 - ``sigterm``: a SIGTERM to the kernel or script as a Stop press.
 """

@@ -165,7 +165,7 @@ class WorkerGroup:
             for spec in specs:
                 theirs = self._channels.open(spec.rank)
                 fds.append(replace(theirs, store=store_socket.fileno()) if spec.holds_store else theirs)
-            self._processes.spawn(specs, fds, next_group=next_group)
+            self._inboxes.ranks_have_sources_to(self._processes.spawn(specs, fds, next_group=next_group))
             self._channels.close_their_ends()  # the workers hold them now: end of file works both ways
             self._channels.watch(self.helper.fileno(), self.helper.collect)
             self._phases.begin([run_state.RankState(spec.rank, spec.device, "starting", process.pid)

@@ -32,7 +32,14 @@ Protocol, over one private ``AF_UNIX``/``SOCK_SEQPACKET`` socketpair inherited f
   for rank 0 the TCPStore's listening socket; ``split_fds`` reads them back by name), and, where
   ``group_ahead`` (a :class:`~accelnb.wire.group_ahead.GroupAhead`) is not None, last the socket
   bound for the next launch's group, which the waiting children join ahead (``standby_ranks.py``);
-- template → kernel ``("spawned", request_id, [pid…])`` or ``("spawn_failed", request_id, text)``;
+- kernel → template ``("sources", count)`` before a spawn, with one fd attached: a file of the
+  notebook's cell sources it does not have yet (``wire/template.sources_file``), and how many it
+  has been given with them. It registers them in its ``linecache``, so that every rank forked
+  from then on has their lines; no answer;
+- template → kernel ``("spawned", request_id, [pid…], sources_held)`` or
+  ``("spawn_failed", request_id, text)``. ``sources_held``: how many of the cell sources given so
+  far every one of those ranks has (a child that waited since before the last ones has fewer:
+  ``worker/cell_sources.TemplateSources``), so that a call carries them only what they lack;
 - template → kernel ``("exited", pid, returncode, reaped_at)`` once for every worker it forked
   (``returncode`` negative for a signal, ``reaped_at`` the wall time it was reaped), sent only
   once every process that worker left behind is gone (see below; at most
@@ -80,7 +87,8 @@ from typing import Any
 
 from accelnb.wire.group_ahead import GroupAhead
 from accelnb.wire.spec import RankFds, split_fds
-from accelnb.wire.template import FollowImports
+from accelnb.wire.template import FollowImports, read_sources_file
+from accelnb.worker.cell_sources import TemplateSources
 from accelnb.worker.process_children import own_children
 from accelnb.worker.template import imports as template_imports
 from accelnb.worker.template.huge_pages import QUIET_BEFORE_COLLAPSE_S, HugePages
@@ -205,6 +213,7 @@ def serve(sock: socket.socket) -> None:
                            become_rank=lambda spec, fds: _become_worker(spec, fds, leave_template=False),
                            leave_template=_leave_template_to_wait, join_ahead=_join_ahead)
     pages = HugePages()
+    sources = TemplateSources()
     quiet_since = time.monotonic()  # when the kernel or a rank last gave the template something to do
     while True:
         importing = following.has_work(ranks_running=bool(workers))
@@ -230,14 +239,14 @@ def serve(sock: socket.socket) -> None:
             pages.memory_changed()  # the import's memory too, once no more imports wait
             continue
         if not readable and refilling:
-            standby.fork_one()
+            sources.forked(standby.fork_one())
             continue
         if not readable and collapsing:
             pages.step()
             continue
         if wake_r in readable:
             _drain(wake_r)
-        _reap(sock, workers, standby, wake_r)
+        _reap(sock, workers, standby, sources, wake_r)
         if sock.fileno() in readable:
             try:
                 data, fds, _, _ = socket.recv_fds(sock, 1 << 20, MAX_FDS_PER_MESSAGE)
@@ -250,6 +259,8 @@ def serve(sock: socket.socket) -> None:
             message = pickle.loads(data)
             if isinstance(message, FollowImports):
                 following.add(message)
+            elif message[0] == "sources":
+                sources.add(read_sources_file(fds[0]), count=message[1])
             elif message[0] == "spawn":
                 if following.finish_all():
                     standby.let_go()
@@ -262,12 +273,12 @@ def serve(sock: socket.socket) -> None:
                                                             f"importing {module}: {reason}"))
                     continue
                 group_ahead = message[3]  # the next launch's group, and its socket the last fd
-                _spawn(sock, message[1], message[2], fds, workers, standby, (wake_r, wake_w),
+                _spawn(sock, message[1], message[2], fds, workers, standby, sources, (wake_r, wake_w),
                        group_ahead, fds.pop() if group_ahead is not None else None)
 
 
 def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int],
-           workers: set[int], standby: StandbyRanks, own_fds: tuple[int, int],
+           workers: set[int], standby: StandbyRanks, sources: TemplateSources, own_fds: tuple[int, int],
            group_ahead: GroupAhead | None, listener_fd: int | None) -> None:
     """One rank per spec: the members that joined this launch's group ahead, else handed to a
     waiting child where one waits, else forked now. Then the next launch's group is joined ahead."""
@@ -301,7 +312,7 @@ def _spawn(sock: socket.socket, request_id: int, specs: list[Any], fds: list[int
             workers.add(pid)
             pids.append(pid)
         standby.settle()
-        send(sock, ("spawned", request_id, pids))
+        send(sock, ("spawned", request_id, pids, sources.held_by(pids)))
     except Exception as error:
         for pid in pids:
             # Nobody learns these pids: end them as leftovers, reaped without a report.
@@ -391,10 +402,11 @@ def _report_start_failure(rank: int, stderr_fd: int, events_fd: int, error: Base
         pass  # the traceback above is all we could do
 
 
-def _reap(sock: socket.socket, workers: set[int], standby: StandbyRanks, wake_r: int) -> None:
+def _reap(sock: socket.socket, workers: set[int], standby: StandbyRanks, sources: TemplateSources,
+          wake_r: int) -> None:
     """Reap every dead child; for each dead worker, end what it left behind, then report it."""
     while True:
-        exits = _reap_dead_children(workers, standby)
+        exits = _reap_dead_children(workers, standby, sources)
         if not exits:
             return
         _end_descendants(workers | standby.pids, wake_r)
@@ -402,7 +414,8 @@ def _reap(sock: socket.socket, workers: set[int], standby: StandbyRanks, wake_r:
             send(sock, ("exited", pid, code, reaped_at))
 
 
-def _reap_dead_children(workers: set[int], standby: StandbyRanks) -> list[tuple[int, int, float]]:
+def _reap_dead_children(workers: set[int], standby: StandbyRanks,
+                        sources: TemplateSources) -> list[tuple[int, int, float]]:
     """Wait for every child that has exited; returns the workers among them (pid, code, time)."""
     exits = []
     while True:
@@ -416,6 +429,7 @@ def _reap_dead_children(workers: set[int], standby: StandbyRanks) -> list[tuple[
             workers.discard(pid)
             exits.append((pid, os.waitstatus_to_exitcode(status), time.time()))
         standby.forget(pid)  # one that died waiting: its pid may be reused, never to be killed
+        sources.forget(pid)
     return exits
 
 

@@ -127,8 +127,9 @@ class StandbyRanks:
             return not self._ahead.failed and len(self._ahead.members) < self._ahead.group.world_size
         return len(self._waiting) < min(self.wanted, MAX_STANDBY)
 
-    def fork_one(self) -> None:
-        """Fork one more waiting child: the next member of the group ahead, where there is one."""
+    def fork_one(self) -> int:
+        """Fork one more waiting child: the next member of the group ahead, where there is one.
+        Returns its pid."""
         ahead = self._ahead
         member: JoinAhead | None = None
         if ahead is not None:
@@ -176,6 +177,7 @@ class StandbyRanks:
         self._waiting[pid] = ours
         if ahead is not None and member is not None:
             ahead.members[pid] = member.rank
+        return pid
 
     def hand_over_group(self, specs: Sequence[WorkerSpec], fds: Sequence[RankFds]) -> list[int] | None:
         """Give a launch the members that joined its group ahead: their pids in the order of

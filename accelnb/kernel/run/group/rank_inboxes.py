@@ -15,16 +15,17 @@ leaves half a frame in an inbox, and such inboxes take nothing more
     'running'
 
 The call carries the notebook's cell sources that not every rank has yet
-(:mod:`accelnb.kernel.run.cell_sources`).
+(:mod:`accelnb.kernel.helper.cell_sources`): none the ranks had from their template
+(:meth:`RankInboxes.ranks_have_sources_to`), and none an earlier call of a session gave them.
 """
 
 from __future__ import annotations
 
 import socket
 
+from accelnb.kernel.helper.cell_sources import in_memory_sources
 from accelnb.kernel.helper.client import StepHook
 from accelnb.kernel.run.call_outcome import CallPhase
-from accelnb.kernel.run.cell_sources import in_memory_sources
 from accelnb.wire.buffers import Packed
 from accelnb.wire.channel import encode, send_frame
 from accelnb.wire.events import InputReply, RunCall, Shutdown, StopRequest
@@ -37,8 +38,15 @@ class RankInboxes:
     def __init__(self, on_step: StepHook | None = None) -> None:
         self.phase: CallPhase = "unsent"  # of the current call; "running" once every frame is out
         self.half_written = False  # an interrupted write left half a frame in an inbox
-        self._sources_sent: set[str] = set()  # notebook cell sources every rank has (cell_sources.py)
+        # Notebook cell sources every rank has; with each, every older one (cell_sources.py).
+        self._sources_sent: set[str] = set()
         self._on_step = on_step
+
+    def ranks_have_sources_to(self, newest: str | None) -> None:
+        """The ranks were forked with the notebook's cell sources up to ``newest`` (their
+        template's, given in order): calls carry only newer ones. None: they have none."""
+        if newest is not None:
+            self._sources_sent.add(newest)
 
     def send_call(self, call_id: int, payload: Packed, value_ranks: set[int], inboxes: list[socket.socket],
                   *, every_rank: bool) -> None:

@@ -94,14 +94,16 @@ class RankProcesses:
 
     # ── starting ────────────────────────────────────────────────────────────────────────────
     def spawn(self, specs: Sequence[WorkerSpec], fds: Sequence[RankFds], *,
-              next_group: GroupAhead | None = None) -> None:
+              next_group: GroupAhead | None = None) -> str | None:
         """Have the helper fork one worker per spec; ``fds`` are their channel ends, in order.
-        ``next_group``: see :meth:`~accelnb.kernel.helper.client.WorkerHelper.spawn`."""
+        ``next_group``: see :meth:`~accelnb.kernel.helper.client.WorkerHelper.spawn`. Returns the
+        newest notebook cell source every worker has from its template (None: none)."""
         self.ranks = [RankProcess(spec.rank) for spec in specs]
         self._by_rank = {process.rank: process for process in self.ranks}
-        self.helper.spawn(specs, fds, on_step=self._on_step, next_group=next_group, forked=self._forked)
+        spawned = self.helper.spawn(specs, fds, on_step=self._on_step, next_group=next_group, forked=self._forked)
         if self._on_step is not None:
             self._on_step("spawned")
+        return spawned.newest_source
 
     def _forked(self, pids: list[int]) -> None:
         for process, pid in zip(self.ranks, pids, strict=True):
