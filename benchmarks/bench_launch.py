@@ -18,7 +18,10 @@ Tools and what each process measures (2 ranks, gloo, CPU):
        call, which includes building the optimizer in a fresh worker;
     5. 100,000 short lines printed by rank 0, timed inside the function: once to ``sys.stdout``
        (relayed by accelnb to this process, which stands in for the notebook), once to
-       ``/dev/null``, alternating; the sink counts what arrived.
+       ``/dev/null``, alternating; the sink counts what arrived;
+    1b. last, launches back to back from a long notebook: ``NOTEBOOK_CELLS`` distinct cells in
+       ``linecache`` as IPython registers them (no file on disk), and one more before each launch,
+       as each launch's cell is new (what grows with a notebook shows here).
 
 ``accelerate``
     Accelerate's ``notebook_launcher(fn, args, num_processes=2)``. Called from a script it takes
@@ -75,7 +78,9 @@ import argparse
 import contextlib
 import functools
 import gc
+import itertools
 import json
+import linecache
 import os
 import re
 import socket
@@ -102,6 +107,8 @@ PRINT_LINES = 100_000
 # shows it only in the first; what it does in the first pauses (accelnb's template moves its memory
 # onto 2 MiB pages) both show, as in a notebook that has run a while.
 SPACING_S = 0.5
+NOTEBOOK_CELLS = 3000  # a long notebook's distinct cells (each edit of a cell is a new one)
+CELL_NUMBERS = itertools.count()
 
 
 # ── functions that run in the workers ───────────────────────────────────────────────────────
@@ -238,6 +245,14 @@ def timed(call: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - started, value
 
 
+def add_notebook_cell() -> None:
+    """One more distinct cell of ~240 characters in ``linecache``, as IPython registers a cell it runs."""
+    number = next(CELL_NUMBERS)
+    name = f"/tmp/ipykernel_{os.getpid()}/{number}.py"
+    text = f"y{number} = 1  # a distinct cell, " + "as a notebook's are " * 10 + "\n"
+    linecache.cache[name] = (len(text), None, [text], name)
+
+
 def repeat(call: Callable[[], Any], times: int) -> list[float]:
     return [timed(call)[0] for _ in range(times)]
 
@@ -357,6 +372,14 @@ def bench_accelnb(opts: argparse.Namespace) -> dict[str, Any]:
                 "launch_s": launch_s}
 
     scenario(out, "output", output)
+
+    def long_notebook() -> dict[str, Any]:
+        for _ in range(NOTEBOOK_CELLS):
+            add_notebook_cell()
+        return {"cells": NOTEBOOK_CELLS, "later_s": repeat(lambda: (add_notebook_cell(), launch_trivial()),
+                                                           opts.repeats)}
+
+    scenario(out, "long_notebook", long_notebook)
     out.setdefault("memory", {})["cuda_initialized_at_end"] = torch.cuda.is_initialized()
     return out
 
