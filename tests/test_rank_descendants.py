@@ -263,7 +263,7 @@ def test_the_helper_reports_a_rank_ended_only_once_what_it_started_is_gone() -> 
     pipes = [os.pipe(), os.pipe(), *(tuple(s.detach() for s in socket.socketpair()) for _ in range(3))]
     theirs = [pipes[0][1], pipes[1][1], pipes[2][1], pipes[3][0], pipes[4][0], store.fileno()]
     try:
-        socket.send_fds(helper.sock, [pickle.dumps(("spawn", 1, [one_rank_spec(store.getsockname()[1])], None))],
+        socket.send_fds(helper.sock, [pickle.dumps(("spawn", 1, [one_rank_spec(store.getsockname()[1])], None, None))],
                         theirs)
         kind, _, pids, sources_held = helper.receive(60.0)
         assert (kind, sources_held) == ("spawned", 0)

@@ -8,9 +8,9 @@ imports each module, and answers ``("followed", request_id, failed)`` once all w
 ``("unsafe", request_id, module, reason)`` when an import left it unfit to fork (a thread started,
 CUDA initialised): it then forks nothing more, and the kernel starts another without that module.
 
-Before a launch, the kernel also sends the notebook's cell sources the template does not have yet
-(``("sources", count)``, no answer), in a file of their own (:func:`sources_file`): the first
-launch of a long notebook has a megabyte of them, past what one message on the socket may carry.
+A spawn request also carries the notebook's cell sources the template does not have yet, in a
+file of their own (:func:`sources_file`) whose fd goes with it: the first launch of a long
+notebook has a megabyte of them, past what one message on the socket may carry.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class FollowImports:
 
 def sources_file(sources: tuple[tuple[str, str], ...]) -> int:
     """A file in memory holding ``sources`` ((filename, text), as ``kernel/helper/cell_sources.py``
-    finds them), read from its start: its fd goes with the ``("sources", count)`` message."""
+    finds them), read from its start: its fd goes with a spawn request."""
     fd = os.memfd_create("accelnb-cell-sources", os.MFD_CLOEXEC)
     try:
         data = pickle.dumps(sources, protocol=pickle.HIGHEST_PROTOCOL)

@@ -2,8 +2,8 @@
 
 A function defined in a notebook cell has a code object whose file exists only in the kernel's
 ``linecache`` (``kernel/helper/cell_sources.py``). Its text reaches a rank two ways: the template
-registers what the kernel sent it before a launch (``("sources", count)``, ``worker/template/helper.py``),
-so every rank forked afterwards has it; and a call carries what its ranks still lack (the newest
+registers what the kernel sent it with a launch's spawn request (``worker/template/helper.py``)
+before it forks, so every rank forked afterwards has it; and a call carries what its ranks still lack (the newest
 cells, and all those a child forked earlier, while the template waited, was not given).
 
 :class:`TemplateSources` keeps how many sources the template had when it forked each waiting

@@ -29,7 +29,7 @@ join that launch's group on it. The kernel keeps its own copy, which
 :meth:`WorkerHelper.take_group_ahead` gives the next launch when it is alike, and which the
 next spawn closes when it was not used (the template lets that group go on any spawn).
 
-Each spawn first gives the template the notebook's cell sources it does not have yet
+Each spawn request also gives the template the notebook's cell sources it does not have yet
 (``kernel/helper/cell_sources.py``), so a launch's call carries its ranks only those they lack
 (:attr:`SpawnedRanks.newest_source`): a launch after 3,000 cells wrote and registered 0.7 MB of
 them into every rank (``benchmarks/RESULTS.md``).
@@ -300,18 +300,31 @@ class WorkerHelper:
                 # a Ctrl-C just after the send once left its workers unknown, and their exits
                 # noted for nobody. A second Ctrl-C gets out of a send that blocks.
                 with held_interrupts(second_one_goes_through=True):
+                    # The notebook's cell sources the template lacks go in the request itself: a
+                    # message of their own woke the template, which could then fork a waiting
+                    # child (10-15 ms) before the request came.
+                    sources = in_memory_sources(already_sent=self._sources_given)
+                    count = self._sources_count + len(sources)
+                    sources_fd: int | None = None
                     try:
-                        self._give_sources()
-                        socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs), ahead))],
+                        sources_fd = sources_file(sources) if sources else None
+                        socket.send_fds(self._sock, [pickle.dumps(("spawn", request, list(specs), ahead,
+                                                                   count if sources else None))],
                                         [fd for each in fds for fd in each.flat()]
-                                        + ([] if next_socket is None else [next_socket.fileno()]))
+                                        + ([] if next_socket is None else [next_socket.fileno()])
+                                        + ([] if sources_fd is None else [sources_fd]))
                     except OSError:
                         if next_socket is not None:
                             next_socket.close()
                         if self._peer_closed():
                             raise helper_died(self.death(), "while starting workers") from None
                         raise
+                    finally:
+                        if sources_fd is not None:
+                            os.close(sources_fd)
                     sent = True
+                    if sources:
+                        self._note_sources_given(sources, count)
                     if ahead is not None and next_socket is not None:
                         self._ahead = (ahead, next_socket)  # a failed or interrupted spawn drops it next time
                 if on_step is not None:
@@ -337,20 +350,12 @@ class WorkerHelper:
                 raise WorkerStartError(f"accelnb's helper process could not fork the workers: {reply[2]}")
             return SpawnedRanks(reply[2], self._newest_given_at.get(reply[3]))
 
-    def _give_sources(self) -> None:
-        """Send the template the cell sources it lacks, newest first (hold the lock and interrupts)."""
-        sources = in_memory_sources(already_sent=self._sources_given)
-        if not sources:
-            return
-        fd = sources_file(sources)
-        count = self._sources_count + len(sources)
-        try:
-            # The count is ours: sent, then a second Ctrl-C before they are noted here, they go
-            # again with the next launch under a new count, and the count the template had
-            # meanwhile names none (a call then carries its ranks all of them).
-            socket.send_fds(self._sock, [pickle.dumps(("sources", count))], [fd])
-        finally:
-            os.close(fd)
+    def _note_sources_given(self, sources: tuple[tuple[str, str], ...], count: int) -> None:
+        """The template has ``sources`` now (they went with a spawn request), ``count`` in all.
+
+        The count is ours, sent with them: were they sent and a second Ctrl-C came before this
+        note, they go again with the next spawn under a new count, and the count the template had
+        meanwhile names none here (a call then carries its ranks all of them)."""
         self._sources_given.update(filename for filename, _ in sources)
         self._sources_count = count
         self._newest_given_at[count] = sources[0][0]

@@ -27,15 +27,15 @@ Protocol, over one private ``AF_UNIX``/``SOCK_SEQPACKET`` socketpair inherited f
 - kernel → template a :class:`~accelnb.wire.template.FollowImports`; template → kernel
   ``("followed", request_id, [failed module…])`` once every module was tried, or
   ``("unsafe", request_id, module, reason)`` (then and ever after);
-- kernel → template ``("spawn", request_id, [WorkerSpec…], group_ahead)`` with each worker's
+- kernel → template ``("spawn", request_id, [WorkerSpec…], group_ahead, sources)`` with each worker's
   fds attached (a :class:`~accelnb.wire.spec.RankFds` each: stdout, stderr, events, inbox, control, and
   for rank 0 the TCPStore's listening socket; ``split_fds`` reads them back by name), and, where
-  ``group_ahead`` (a :class:`~accelnb.wire.group_ahead.GroupAhead`) is not None, last the socket
+  ``group_ahead`` (a :class:`~accelnb.wire.group_ahead.GroupAhead`) is not None, the socket
   bound for the next launch's group, which the waiting children join ahead (``standby_ranks.py``);
-- kernel → template ``("sources", count)`` before a spawn, with one fd attached: a file of the
-  notebook's cell sources it does not have yet (``wire/template.sources_file``), and how many it
-  has been given with them. It registers them in its ``linecache``, so that every rank forked
-  from then on has their lines; no answer;
+  and, where ``sources`` is not None, last a file of the notebook's cell sources the template does
+  not have yet (``wire/template.sources_file``), ``sources`` being how many it has been given with
+  them: it registers them in its ``linecache`` before it forks, so that every rank forked from
+  then on has their lines;
 - template → kernel ``("spawned", request_id, [pid…], sources_held)`` or
   ``("spawn_failed", request_id, text)``. ``sources_held``: how many of the cell sources given so
   far every one of those ranks has (a child that waited since before the last ones has fewer:
@@ -259,12 +259,12 @@ def serve(sock: socket.socket) -> None:
             message = pickle.loads(data)
             if isinstance(message, FollowImports):
                 following.add(message)
-            elif message[0] == "sources":
-                sources.add(read_sources_file(fds[0]), count=message[1])
             elif message[0] == "spawn":
                 if following.finish_all():
                     standby.let_go()
                     pages.memory_changed()
+                if message[4] is not None:  # the cell sources, the last fd
+                    sources.add(read_sources_file(fds.pop()), count=message[4])
                 if following.unsafe is not None:
                     for fd in fds:
                         os.close(fd)
