@@ -225,6 +225,9 @@ class RunWatcher:
     interval: float = 0.03
     pids: set[int] = field(default_factory=set)
     ports: set[int] = field(default_factory=set)
+    # Where each port was first seen, for a failure's message: a process's listening socket, or a
+    # rank's report of its rendezvous port.
+    seen_on: dict[int, str] = field(default_factory=dict)
     reports: dict[int, dict[str, Any]] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -249,8 +252,11 @@ class RunWatcher:
         for proc in descendants(self.helper_pid):
             self.pids.add(proc.pid)
             with contextlib.suppress(psutil.Error):
-                self.ports.update(c.laddr.port for c in proc.net_connections(kind="inet")
-                                  if c.status == psutil.CONN_LISTEN)
+                for port in (c.laddr.port for c in proc.net_connections(kind="inet")
+                             if c.status == psutil.CONN_LISTEN):
+                    self.ports.add(port)
+                    self.seen_on.setdefault(port, f"pid {proc.pid} ({proc.name()}) listening, "
+                                                  f"{time.strftime('%H:%M:%S')}")
         for path in sorted(self.report_dir.glob("rank*.json")):
             rank = int(path.stem[4:])
             self.reports[rank] = read_report(path)
@@ -258,6 +264,7 @@ class RunWatcher:
                              if self.reports[rank].get(k))
             if self.reports[rank].get("port"):
                 self.ports.add(self.reports[rank]["port"])
+                self.seen_on.setdefault(self.reports[rank]["port"], f"rank {rank}'s rendezvous port (its report)")
             if self.on_report is not None:
                 self.on_report(rank, self.reports[rank])
 

@@ -68,7 +68,8 @@ def wait_until_faulted(report_dir: Path, fault: str, rank: int) -> None:
 def assert_ports_free(watcher: RunWatcher, ours: set[int], held_ahead: set[int]) -> None:
     assert watcher.ports, "no rendezvous port was seen"
     left = ports_left_listening(watcher, ours, held_ahead)
-    assert not left, f"ports still listening: {left}"
+    assert not left, (f"ports still listening: {left}; first seen as "
+                      f"{ {port: watcher.seen_on.get(port) for port in left} }; held for the next launch: {held_ahead}")
 
 
 @pytest.mark.parametrize(("fault", "rank", "phase"), [

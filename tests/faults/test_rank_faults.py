@@ -118,8 +118,10 @@ def assert_nothing_left(outcome: Outcome, helper_pid: int, bound: float) -> None
     assert outcome.gone is not None, f"pids still alive {bound} s after the launch returned: " + \
         str(sorted(p for p in watcher.pids if not wait_gone([p], 0)))
     ours = watcher.pids | set(outcome.printed_pids) | {helper_pid}
-    left = ports_left_listening(watcher, ours, ports_held_ahead())
-    assert not left, f"ports still listening after the run: {left}"
+    held_ahead = ports_held_ahead()
+    left = ports_left_listening(watcher, ours, held_ahead)
+    assert not left, (f"ports still listening after the run: {left}; first seen as "
+                      f"{ {port: watcher.seen_on.get(port) for port in left} }; held for the next launch: {held_ahead}")
     assert not listens_of_its_own(helper_pid, os.getpid()), "the helper process listens on a port"
 
 
