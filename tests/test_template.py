@@ -311,6 +311,34 @@ def test_torch_dynamo_comes_in_turns_that_each_import_only_what_it_imports_anywa
     assert TORCH_DYNAMO_IN_TURNS[-1] == "torch._dynamo" and set(TORCH_DYNAMO_IN_TURNS) <= set(TRAINING_PREIMPORTS)
 
 
+def test_the_template_empties_what_every_ranks_init_process_group_empties() -> None:
+    # Importing torch._dynamo fills its trace-rule caches and torch's init_process_group empties
+    # them; a rank that empties them frees a dict of ~2,800 torch functions, copying ~370 of the
+    # template's pages. If either side changes in a torch release, this fails: then the template's
+    # emptying (imports.empty_what_every_rank_empties) is to change or go.
+    probe = textwrap.dedent("""
+        import torch, torch.distributed as dist
+        import torch._dynamo
+        from accelnb.worker.template.imports import empty_what_every_rank_empties, import_quietly
+        rules = torch._dynamo.trace_rules.get_torch_obj_rule_map
+        sizes = {"imported": rules.cache_info().currsize}
+        empty_what_every_rank_empties()
+        sizes["emptied"] = rules.cache_info().currsize
+        rules()
+        assert import_quietly("wave")  # any import the template makes empties them after it
+        sizes["after another import"] = rules.cache_info().currsize
+        rules()
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        sizes["after init_process_group"] = rules.cache_info().currsize
+        print(sizes)
+        """)
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "GLOO_SOCKET_IFNAME": "lo"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip() == str({"imported": 1, "emptied": 0, "after another import": 0,
+                                       "after init_process_group": 0}), done.stdout
+
+
 def test_a_bare_template_leaves_the_kernels_modules_to_the_ranks(project: Path,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     write_module(project, "not_followed", "VERSION = 'bare'\n")

@@ -23,6 +23,7 @@ held) or initialised CUDA (a forked CUDA context is unusable) makes this templat
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -71,7 +72,27 @@ def import_quietly(name: str) -> bool:
         importlib.import_module(name)
     except BaseException:  # anything, SystemExit included: a module that exits on import
         return False
+    finally:
+        empty_what_every_rank_empties()
     return True
+
+
+def empty_what_every_rank_empties() -> None:
+    """Empty ``torch._dynamo``'s trace-rule caches here, once, as every rank's ``init_process_group``
+    empties them (``trace_rules.clear_lru_cache``: rules computed during an import may lack the
+    distributed ones).
+
+    Importing ``torch._dynamo`` fills one with ~2,800 torch functions. Emptying it in a rank frees
+    that dict, which writes to the reference count of every function it held: ~370 pages the rank
+    copies from the template, 1.2 ms of CPU in each rank of every launch (``benchmarks/RESULTS.md``).
+    Emptied in the template, the ranks find it empty, and whatever needs it computes it in the rank,
+    as after any ``init_process_group``.
+    """
+    trace_rules = getattr(sys.modules.get("torch._dynamo"), "trace_rules", None)
+    clear = getattr(trace_rules, "clear_lru_cache", None)
+    if clear is not None:
+        with contextlib.suppress(Exception):  # a torch whose caches changed: the ranks empty them, as before
+            clear()
 
 
 def unfit_to_fork() -> str | None:
