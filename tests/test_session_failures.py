@@ -216,6 +216,32 @@ def test_a_ctrl_c_that_reaches_a_rank_between_calls_is_dropped_and_the_next_call
     assert session.alive
 
 
+def test_a_rank_that_died_between_calls_is_the_root_cause_though_its_exit_is_reported_late(
+        session: Session) -> None:
+    """A rank killed between calls closes its channels at once, but the helper reports its exit
+    only once it has reaped it. Here the helper is held (SIGSTOP) until after the next call began:
+    the call waits for that report, so the failure named first is the dead rank's, not a
+    survivor's exception in the call (on a loaded machine, a late report once let it come first)."""
+    pids = session.run(os.getpid, collect="all").values
+    helper = psutil.Process(pids[1]).ppid()
+    os.kill(helper, signal.SIGSTOP)
+    resume = threading.Timer(0.5, os.kill, (helper, signal.SIGCONT))
+    try:
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        # Exited, every thread: the last one out closed its fds (the leader is a zombie earlier).
+        while psutil.Process(pids[1]).status() != psutil.STATUS_ZOMBIE or len(os.listdir(f"/proc/{pids[1]}/task")) > 1:
+            assert time.monotonic() < deadline, "rank 1 did not exit within 10 s of SIGKILL"
+            time.sleep(0.01)
+        resume.start()
+        with pytest.raises(RankCrashed, match="Rank 1 failed: killed by SIGKILL"):
+            session.run(fail_everywhere)
+    finally:
+        resume.cancel()
+        os.kill(helper, signal.SIGCONT)
+    assert not session.alive
+
+
 def test_sigterm_to_a_rank_between_calls_runs_the_codes_handler_then_the_rank_leaves(
         session: Session, tmp_path: Path) -> None:
     """A rank idle between calls waits in a read of its inbox; SIGTERM with a handler of the

@@ -86,6 +86,8 @@ FAILURE_GRACE_S = 3.0  # between SIGTERM and SIGKILL when a rank failed, or the 
 INTERRUPT_GRACE_S = 1.5  # the same on an interrupt; and how long a session's ranks get to stop the call
 SHUTDOWN_WAIT_S = 10.0  # finished workers leave on Shutdown; past this they are stopped
 STOP_PUMP_SLICE_S = 0.02
+# A rank whose channels all closed has exited; the helper reports it once it has reaped it.
+EXIT_REPORT_WAIT_S = 2.0
 HOOK_INTERVAL_S = 0.1  # display hooks (a Stop button's comm pump) run at most ten times a second
 GRACE_S: dict[StopWhy, float] = {"failed": FAILURE_GRACE_S, "timed_out": FAILURE_GRACE_S,
                                  "interrupted": INTERRUPT_GRACE_S, "at_once": 0.0}
@@ -209,6 +211,7 @@ class WorkerGroup:
             # Stop press's meaning cost no system call (wire/held_interrupts.py).
             with routed_interrupts():
                 self._pump(0, answers)  # the helper or a rank may have died since the last call
+                self._await_exit_reports(answers)
                 if self._helper_death is None:
                     self._send_call(answers, payload, value_ranks)
                 self._inboxes.phase = "running"
@@ -226,6 +229,23 @@ class WorkerGroup:
         if outcome.workers_kept:
             self._prompts.refuse_all("the cell ended before it could be asked")
         return outcome
+
+    def _await_exit_reports(self, answers: CallAnswers) -> None:
+        """Before a call: wait (at most ``EXIT_REPORT_WAIT_S``) for the helper's report of each rank
+        whose channels all reached end of file, a rank that died since the last call. Its death is
+        then known before the call is written, and it, not a survivor's failure in the call, is
+        the root cause: the helper reaps and reports a moment after the channels close, and on a
+        loaded machine that moment once came after a survivor had failed."""
+        deadline = time.monotonic() + EXIT_REPORT_WAIT_S
+        while self._helper_death is None and self._ranks_gone_unreported():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            self._pump(min(left, STOP_PUMP_SLICE_S), answers)
+
+    def _ranks_gone_unreported(self) -> bool:
+        return any(self._processes.is_alive(channels.rank) and channels.rank not in self._departing
+                   and self._channels.all_closed(channels.rank) for channels in self._channels.ranks)
 
     def _send_call(self, answers: CallAnswers, payload: Packed, value_ranks: set[int]) -> None:
         assert answers.call_id is not None
