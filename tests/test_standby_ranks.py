@@ -22,6 +22,7 @@ import pytest
 
 import accelnb
 from accelnb.kernel.helper.template import running_helper_pid, shared_helper, wait_for_departed_ranks
+from accelnb.worker.rank_body import FLUSH_INTERVAL_S
 from accelnb.worker.template.standby_ranks import STANDBY_NAME
 from tests.conftest import is_standby, worker_processes
 
@@ -161,21 +162,63 @@ def accelnbs_threads() -> list[str]:
 
 
 def test_a_waiting_child_starts_the_ranks_threads_while_it_waits_and_dies_of_sigterm() -> None:
-    """A thread's start costs a launch ~0.6 ms on 2 cores: a waiting child has started the three
-    every rank runs before any launch wants it, and a rank that takes it runs those very threads."""
+    """A thread's start costs a launch 1.5-2 ms on 2 cores: a waiting child has started the two
+    a rank runs (the watcher at once, the flusher a while later) before any launch wants them, and
+    a rank that takes it runs those very threads."""
     shared_helper()
     launch()
     waiting = waiting_children(2)
     for child in waiting:
         deadline = time.monotonic() + WAIT_S
-        while child.num_threads() < 4:  # its main thread, the signal watcher, the control reader, the flusher
+        while child.num_threads() < 3:  # its main thread, the watcher, the flusher
             assert time.monotonic() < deadline, f"{child.num_threads()} threads in a waiting child"
             time.sleep(0.02)
     result = accelnb.launch(accelnbs_threads, num_processes=2, cpu=True, quiet=True, collect="all", timeout=120)
     assert set(result.values) == {0, 1}
-    assert all(threads == ["accelnb-control", "accelnb-flush", "accelnb-signals"] for threads in result.values.values())
+    assert all(threads == ["accelnb-flush", "accelnb-signals"] for threads in result.values.values())
 
     victim, _survivor = waiting_children(2)
     os.kill(victim.pid, signal.SIGTERM)  # its handler is accelnb's by now: flush (nothing yet), then die of it
     victim.wait(10)
     assert launch()[1]["rank"] == 1  # the launch forks the rank that found no child
+
+
+def when_the_threads_started() -> dict[str, object]:
+    """In a rank: its accelnb threads once the flusher runs, and when each started, in clock ticks
+    after the process did (``/proc``: the start times the OS keeps)."""
+    import os
+    import threading
+    import time
+
+    def started(path: str) -> int:
+        with open(path) as stat:
+            return int(stat.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+
+    names_at_entry = accelnbs_threads()
+    deadline = time.monotonic() + 30
+    while "accelnb-flush" not in accelnbs_threads():
+        assert time.monotonic() < deadline, "no flusher after 30 s"
+        time.sleep(0.01)
+    ticks = {thread.name: started(f"/proc/self/task/{thread.native_id}/stat") - started("/proc/self/stat")
+             for thread in threading.enumerate() if thread.name.startswith("accelnb-")}
+    return {"at entry": names_at_entry, "ticks": ticks, "tick_hz": os.sysconf("SC_CLK_TCK"), "pid": os.getpid()}
+
+
+def test_a_rank_forked_at_launch_starts_its_watcher_and_its_flusher_only_a_while_later() -> None:
+    """Each thread a rank starts at a launch costs it 1.5-2 ms of CPU on 2 cores: a rank forked at
+    launch starts its watcher (which reads the control socket too) and the flusher only once it
+    has lived ``FLUSH_INTERVAL_S``, which a short call never does. A launch of 3 after launches of
+    2 has no child waiting for its group: every rank is forked at launch."""
+    shared_helper()
+    launch()
+    waiting = {child.pid for child in waiting_children(2)}
+    result = accelnb.launch(when_the_threads_started, num_processes=3, cpu=True, quiet=True, timeout=120)
+    assert len(result.values) == 3
+    for rank, found in result.values.items():
+        assert found["pid"] not in waiting, f"rank {rank} was a waiting child"
+        ticks = found["ticks"]
+        assert sorted(ticks) == ["accelnb-flush", "accelnb-signals"], (rank, found)
+        # 50 ms after the watcher, at the OS's resolution of ticks (a tick is 10 ms).
+        later = ticks["accelnb-flush"] - ticks["accelnb-signals"]
+        assert later >= FLUSH_INTERVAL_S * found["tick_hz"] - 1, (rank, found)
+        assert found["at entry"] in (["accelnb-signals"], ["accelnb-flush", "accelnb-signals"]), (rank, found)

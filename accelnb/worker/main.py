@@ -5,9 +5,10 @@ forks, points fds 1 and 2 at the kernel's pipes, makes the
 worker a child subreaper (whatever the rank starts stays in its process tree, and the helper
 ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
 
-0. starts its threads (the signal watcher, ``worker/signal_watcher.py``; the control reader; the
-   flusher), which a child that the template forked ahead of a launch does while it waits for its spec
-   (:func:`start_while_waiting`, module state ``_started_while_waiting``);
+0. starts its watcher thread (``worker/signal_watcher.py``: the signals, and the control socket
+   below), which starts the flusher once the rank has lived ``FLUSH_INTERVAL_S``: a call that ends
+   sooner needs no other thread. A child that the template forked ahead of a launch does this
+   while it waits for its spec (:func:`start_while_waiting`, module state ``_started_while_waiting``);
 1. takes its rank's environment (RANK, LOCAL_RANK, CUDA_VISIBLE_DEVICES, …), the kernel's cwd and
    ``sys.path``; arms its stack dumps (a crash's traceback; the stacks the kernel asks for at a
    ``timeout=``, which the signal watcher writes: ``worker/interactive/stack_dump.py``);
@@ -18,7 +19,7 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
    set-up fails, the rank reports the exception (a :class:`CallError` with no call) and exits;
 3. runs calls from its inbox, which its main thread reads itself between calls (one for
    ``notebook_launcher``, many in a persistent session), while what comes beside a running call
-   (a stop request, the reply to a prompt) comes on its control socket, read by a thread. It
+   (a stop request, the reply to a prompt) comes on its control socket, read by the watcher. It
    answers each call with a value or the exception, both pickled so that the kernel can load them
    without touching CUDA (``wire/result_pickling.py``), the traceback without accelnb's frames;
    how a call runs, like the streams, what the code reaches the notebook through
@@ -38,7 +39,6 @@ ends it once the rank is gone), and calls :func:`worker_main`. The worker then:
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import socket
 import sys
@@ -55,6 +55,7 @@ from accelnb.worker.interactive.rank_interrupts import RankInterrupts
 from accelnb.worker.other_launchers import process_group
 from accelnb.worker.process_children import has_children
 from accelnb.worker.rank_body import (
+    FLUSH_INTERVAL_S,
     attach_to_kernel,
     chdir_quietly,
     describe_error,
@@ -64,7 +65,7 @@ from accelnb.worker.rank_body import (
     run_call,
     start_flusher,
 )
-from accelnb.worker.signal_watcher import watch_signals
+from accelnb.worker.signal_watcher import Watcher, watch_signals
 from accelnb.worker.stopping import rank_stop
 
 LEAVING_NICENESS = 19  # the lowest priority, for a rank that departed (see _depart)
@@ -120,7 +121,7 @@ class _Inbox:
     calls to the main thread through a queue, each call woke two: 70-110 µs more before the code
     ran, on 2 cores, and the kernel's writes to the other ranks waited behind them.) What the
     kernel sends while a call runs comes on the rank's other socket, the control socket, which
-    :func:`_start_control_reader`'s thread reads.
+    the watcher thread reads (:class:`_Control`).
     """
 
     def __init__(self) -> None:
@@ -193,32 +194,40 @@ _PRIORITY_ZERO = os.sched_param(0)  # what SCHED_OTHER and SCHED_BATCH take
 
 @dataclass
 class _RankThreads:
-    """What every rank starts, whichever rank it becomes: its threads (the signal watcher, the
-    control reader, the flusher) and what they share with the main loop. Python's ``Thread.start``
-    returns once the thread ran: SIGTERM's set-up took 1.0-1.3 ms and the other two 1.3-1.4 ms
-    together on 2 cores, on every launch's path when a rank started them after its spec came. A
-    waiting child starts them while it waits (:func:`start_while_waiting`); the control reader is
-    handed its socket, and the flusher starts flushing, once the rank is known."""
+    """What every rank starts, whichever rank it becomes: its watcher thread (the signals, the
+    control socket once the rank has one, the flusher's start a while later) and what it shares
+    with the main loop. Python's ``Thread.start`` returns once the thread ran: SIGTERM's set-up
+    took 1.0-1.3 ms on 2 cores, on every launch's path when a rank started it after its spec came.
+    A waiting child starts it while it waits (:func:`start_while_waiting`); the watcher is handed
+    the control socket, and the flusher starts flushing, once the rank is known."""
 
     inbox: _Inbox  # read by the main loop; SIGTERM's wake ends its wait
     # Set once this rank said it departs: the kernel closing our control socket from then on is
     # expected, not the kernel's death (which ends the rank's whole process group).
     departing: threading.Event
-    terminating: threading.Event  # SIGTERM came
-    control_fds: queue.Queue[int]  # the control reader's socket, once the rank has one
+    watcher: Watcher  # its ``terminating``: SIGTERM came
     flushing: threading.Event  # the flusher flushes from then on: the rank's streams are installed
     flusher_stop: threading.Event
     interrupts: RankInterrupts  # what a SIGINT does at each point of a call
 
     @classmethod
-    def start(cls) -> _RankThreads:
+    def start(cls, control_fd: int | None = None) -> _RankThreads:
+        """``control_fd``: the control socket, where the rank has one already (forked at launch)."""
         inbox = _Inbox()
-        departing, flushing, control_fds = threading.Event(), threading.Event(), queue.Queue[int]()
-        terminating = watch_signals(wake=inbox.wake)
+        departing, flushing, flusher_stop = threading.Event(), threading.Event(), threading.Event()
+        watcher = watch_signals(wake=inbox.wake, start=False)
         interrupts = RankInterrupts()  # this is the main thread: the only one that may set a handler
-        _start_control_reader(control_fds, departing)
-        flusher_stop = start_flusher(begin=flushing)
-        return cls(inbox, departing, terminating, control_fds, flushing, flusher_stop, interrupts)
+        # Its first periodic flush would come no sooner: a call that ends before never starts it.
+        watcher.start_in_a_while(FLUSH_INTERVAL_S, lambda: start_flusher(begin=flushing, stop=flusher_stop))
+        threads = cls(inbox, departing, watcher, flushing, flusher_stop, interrupts)
+        if control_fd is not None:
+            threads.read_control(control_fd)
+        watcher.start()
+        return threads
+
+    def read_control(self, fd: int) -> None:
+        """The watcher reads the control socket from now on."""
+        self.watcher.read_too(fd, _Control(fd, self.departing).read)
 
 
 _started_while_waiting: _RankThreads | None = None  # in a waiting child, the threads it started
@@ -232,7 +241,11 @@ def start_while_waiting() -> None:
 
 
 def _serve(spec: WorkerSpec, fds: RankFds, events: _EventsToKernel) -> int:
-    threads = _started_while_waiting if _started_while_waiting is not None else _RankThreads.start()
+    threads = _started_while_waiting
+    if threads is None:
+        threads = _RankThreads.start(control_fd=fds.control)
+    else:
+        threads.read_control(fds.control)
     try:
         _set_up(spec, fds, events, threads)
     except BaseException as error:  # the kernel shows the cause, not a bare exit code
@@ -244,14 +257,14 @@ def _serve(spec: WorkerSpec, fds: RankFds, events: _EventsToKernel) -> int:
 
     exit_code = 0
     while True:
-        command = threads.inbox.next_command(threads.terminating)
+        command = threads.inbox.next_command(threads.watcher.terminating)
         if command is None or isinstance(command, Shutdown):
             break
         succeeded = _run_call_and_answer(spec.rank, command, events, threads.interrupts)
         command = None  # its arguments' shared pages go now, not when the next call comes
         if not spec.persistent:
             exit_code = 0 if succeeded else 1
-            if succeeded and not threads.terminating.is_set():
+            if succeeded and not threads.watcher.terminating.is_set():
                 # init_process_group does not wait for the last rank to finish connecting (to
                 # rank 0's store, to each gloo pair), so a function without collectives can
                 # return here while a peer still needs us. Leave on the kernel's Shutdown, sent
@@ -279,7 +292,6 @@ def _set_up(spec: WorkerSpec, fds: RankFds, events: channel.MessageWriter, threa
     stack_dump.arm()  # straight to fd 2, which survives a user replacing sys.stderr
     attach_to_kernel(events, spec.rank, spec.restart_count)
     threads.inbox.open(fds.inbox)
-    threads.control_fds.put(fds.control)
     threads.flushing.set()
     join_the_run(spec, fds.store)
 
@@ -295,28 +307,35 @@ def _take_environment(wanted: Mapping[str, str]) -> None:
             os.environ[name] = value
 
 
-def _start_control_reader(control_fds: queue.Queue[int], departing: threading.Event) -> None:
-    """What the kernel sends beside a running call arrives on a thread (the main thread runs the
-    code), so that end of file (the kernel died) ends us at once, unless we are ``departing``. The
-    thread reads the control socket that ``control_fds`` brings it (once the rank has one)."""
+class _Control:
+    """What the kernel sends beside a running call (a stop request, the reply to a prompt), read
+    by the watcher thread (the main thread runs the code), so that end of file (the kernel died)
+    ends us at once, unless we are ``departing``."""
 
-    def read_forever() -> None:
-        control = channel.MessageReceiver(socket.socket(fileno=control_fds.get()))
-        while True:
-            try:
-                message = control.receive()
-            except OSError:
-                message = None
-            if message is None:
-                if departing.is_set():
-                    return  # the kernel let us go before we exited
-                os.killpg(0, signal.SIGKILL)  # the kernel died (see _Inbox.next_command)
+    def __init__(self, fd: int, departing: threading.Event) -> None:
+        self._sock = socket.socket(fileno=fd)
+        self._sock.setblocking(False)  # the watcher reads what came, and never waits for the rest
+        self._reader = channel.MessageReader()
+        self._departing = departing
+
+    def read(self) -> bool:
+        """Read what came and deliver it; False once the kernel closed its end (we departed)."""
+        try:
+            messages = self._reader.receive_from(self._sock)
+        except BlockingIOError:  # a wake-up with nothing to read
+            return True
+        except OSError:
+            messages = None
+        if messages is None:
+            if self._departing.is_set():
+                return False  # the kernel let us go before we exited
+            os.killpg(0, signal.SIGKILL)  # the kernel died (see _Inbox.next_command)
+        for message in messages or ():
             if isinstance(message, InputReply):
                 rank_input.deliver(message)  # to the prompt waiting for it
             elif isinstance(message, StopRequest):
                 rank_stop.deliver(message)  # read by the code's next stop_requested(), on every rank alike
-
-    threading.Thread(target=read_forever, name="accelnb-control", daemon=True).start()
+        return True
 
 
 def _finish(flusher: threading.Event) -> None:

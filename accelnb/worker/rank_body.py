@@ -267,10 +267,10 @@ def _block_buffered_text(fd: int) -> io.TextIOWrapper:
     return stream
 
 
-def start_flusher(begin: threading.Event | None = None) -> threading.Event:
+def start_flusher(begin: threading.Event | None = None, stop: threading.Event | None = None) -> threading.Event:
     """Start the thread that flushes the rank's streams and reports every ``FLUSH_INTERVAL_S``, from
-    the moment ``begin`` is set (None: now); returns the event that stops it."""
-    stop = threading.Event()
+    the moment ``begin`` is set (None: now), until ``stop`` is (None: a new event); returns ``stop``."""
+    stop = stop if stop is not None else threading.Event()
 
     def flush_forever() -> None:
         if begin is not None:
