@@ -94,3 +94,22 @@ def test_messages_come_back_whole_while_a_profiler_keeps_every_frame() -> None:
     ours.close()
     assert kept, "the profiler saw no frame: the test checked nothing"
     assert received == [*messages, None]
+
+
+def test_a_readers_buffer_costs_the_pages_its_reads_write_not_its_whole_size() -> None:
+    """Each rank, and the kernel for each rank's channels, makes a reader at every launch: a
+    zeroed buffer of RECEIVE_BYTES cost 65 page faults each time, the OS's work for pages that a
+    small message never reaches."""
+    import resource
+
+    def faults() -> int:
+        return resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    with ours, theirs:
+        MessageWriter(theirs).send(("small", 1))
+        receiver = MessageReceiver(ours)
+        before = faults()
+        assert receiver.receive() == ("small", 1)
+        taken = faults() - before
+    assert taken < 20, f"{taken} page faults to read one small message ({RECEIVE_BYTES // 4096} pages in the buffer)"

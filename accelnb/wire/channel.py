@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import array
 import collections
+import mmap
 import os
 import pickle
 import socket
@@ -53,6 +54,15 @@ WRITE_CHUNK_BYTES = 1 << 20
 # allocates, then shrinks) cost 80 µs of a session cell's 1 ms round trip on 2 cores.
 RECEIVE_BYTES = 1 << 18
 MAX_FDS_PER_READ = 64
+
+
+def read_buffer(size: int) -> mmap.mmap:
+    """A buffer of ``size`` bytes for reads to go into, reused read after read: an anonymous
+    mapping, whose pages the OS provides as reads first write them. A ``bytearray`` of the same
+    size is zeroed whole as it is made: 65 page faults for 256 KiB, 0.1-0.2 ms of CPU, in each rank
+    and for each rank's channels in the kernel at every launch, where a read of a small message
+    writes one page."""
+    return mmap.mmap(-1, size)
 
 
 class ProtocolError(RuntimeError):
@@ -118,7 +128,7 @@ def send_frame(sock: socket.socket, frame: Frame, after_each_write: Callable[[in
             after_each_write(len(view))
 
 
-def _receive_chunk(sock: socket.socket, into: bytearray) -> tuple[memoryview, list[int]]:
+def _receive_chunk(sock: socket.socket, into: mmap.mmap) -> tuple[memoryview, list[int]]:
     """One read into ``into``: a view of the bytes that came (valid until ``into`` is read into
     again; empty at end of file) and the fds that came with them (close-on-exec)."""
     # Not socket.recv_fds: it drops its flags argument, and received fds must be close-on-exec.
@@ -153,12 +163,12 @@ class MessageReader:
     def __init__(self) -> None:
         self._buffer = bytearray()
         self._fds: collections.deque[int] = collections.deque()
-        self._scratch: bytearray | None = None  # what each read goes into, from the first read on
+        self._scratch: mmap.mmap | None = None  # what each read goes into, from the first read on
 
     def receive_from(self, sock: socket.socket) -> list[Any] | None:
         """Read ``sock`` once: the messages it completed (often none, or one); None at end of file."""
         if self._scratch is None:
-            self._scratch = bytearray(RECEIVE_BYTES)
+            self._scratch = read_buffer(RECEIVE_BYTES)
         chunk, fds = _receive_chunk(sock, self._scratch)
         if not chunk:
             return None

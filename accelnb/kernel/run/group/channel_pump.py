@@ -22,6 +22,7 @@ moment it exists, so :meth:`ChannelPump.close` frees them all whatever happened.
 from __future__ import annotations
 
 import fcntl
+import mmap
 import os
 import selectors
 import socket
@@ -31,7 +32,7 @@ from typing import Any, Literal
 
 from accelnb.kernel.display.output import OutputRouter
 from accelnb.kernel.helper.client import StepHook
-from accelnb.wire.channel import MessageReader
+from accelnb.wire.channel import MessageReader, read_buffer
 from accelnb.wire.held_interrupts import held_interrupts
 from accelnb.wire.spec import RankFds
 
@@ -87,7 +88,7 @@ class ChannelPump:
         self._their_ends: list[int] = []  # the workers' ends, until the helper has them
         # Every pipe read goes into this, reused: a fresh 1 MiB bytes object per read (what
         # ``os.read(fd, 1 << 20)`` allocates, then shrinks) costs more than a small read itself.
-        self._pipe_scratch: bytearray | None = None
+        self._pipe_scratch: mmap.mmap | None = None
 
     def get(self, rank: int) -> RankChannels | None:
         return self._by_rank.get(rank)
@@ -168,7 +169,7 @@ class ChannelPump:
         if name == "events":
             return self._read_events(channels, fd, on_event)
         if self._pipe_scratch is None:
-            self._pipe_scratch = bytearray(PIPE_READ_BYTES)
+            self._pipe_scratch = read_buffer(PIPE_READ_BYTES)
         with held_interrupts():  # what was read reaches the router before a Ctrl-C may surface
             try:
                 size = os.readv(fd, [self._pipe_scratch])
