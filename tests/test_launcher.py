@@ -355,7 +355,7 @@ def test_timeout_shows_every_ranks_stack_then_stops_all() -> None:
     assert "── rank 0 ──" in message and "── rank 1 ──" in message
     assert "in hang_in_collective" in message and "in barrier" in message
     assert "accelnb/worker/" not in message
-    # accelnb's own threads (output flusher, control reader, signal watcher) are left out entirely.
+    # accelnb's own threads (the watcher, the output flusher) are left out entirely.
     assert message.count("(most recent call first)") == 2, message  # each rank's main thread only
     # timeout=2, then the stacks and the stop ladder: well under the 60 s the rank sleeps, even on a loaded machine.
     assert time.monotonic() - started < 2 + 20

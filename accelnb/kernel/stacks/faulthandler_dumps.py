@@ -69,7 +69,7 @@ def clean_stack_dump(text: str) -> str:
 
 
 def _is_our_thread(block: list[str]) -> bool:
-    """A thread whose target is accelnb's (the worker's flusher, control reader, signal watcher),
+    """A thread whose target is accelnb's (the worker's watcher and flusher),
     told by where its target lives rather than by function names that may change."""
     for index, line in enumerate(block):
         if _THREAD_RUN.search(line.rstrip()):

@@ -52,7 +52,8 @@ def attach(events: MessageWriter, rank: int, flush: Callable[[], None]) -> None:
 
 
 def deliver(reply: InputReply) -> None:
-    """Hand a reply that came on the control socket to the prompt waiting for it (control reader thread)."""
+    """Hand a reply that came on the control socket to the prompt waiting for it (a local rank's
+    watcher thread reads that socket: ``worker/signal_watcher.py``)."""
     _replies.put(reply)
 
 
