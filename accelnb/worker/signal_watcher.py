@@ -10,7 +10,7 @@ It also reads what it is given to read (:meth:`Watcher.read_too`: the rank's con
 ``worker/main.py``) and starts what can wait (:meth:`Watcher.start_in_a_while`: the flusher). Each
 thread a rank starts at a launch cost it 1.5-2 ms of CPU on 2 cores (its start, and its first wait
 handing the GIL back and forth), and a call that ends within a few tens of milliseconds needs no
-more than this one: three threads at launch made launches back to back 11 % slower.
+more than this one: three threads at launch made launches back to back 12-17 % slower.
 
 A local rank's own: a Ray actor is stopped by Ray, and its stacks are read by a method call.
 """
