@@ -26,7 +26,11 @@ means while it waits (a Stop press). Each of those setting a handler and putting
 took 12 ``signal.signal``/``getsignal`` calls a cell (8 µs a hold: both convert every handler to an
 enum), 54 µs of the kernel's CPU per cell between cells. Inside :func:`routed_interrupts` (the
 kernel's whole call) one handler of ours stays in place: a hold is a counter, and
-:func:`sigint_goes_to` changes where SIGINT goes without telling the OS. Module-level state:
+:func:`sigint_goes_to` changes where SIGINT goes without telling the OS. The route's own two
+handler changes skip the enum conversions (``wire/signal_handlers.py``), and a route holds while
+its handler goes in and out: a Ctrl-C landing at that moment is neither lost (the route did not
+know where to send it yet) nor raised between the holds of a block (``tests/test_held_interrupts.py``
+lands one at each such moment; ``tests/faults/test_own_faults.py`` at each of a launch). Module-level state:
 ``_route``, the route in place; a process has one SIGINT handler, so at most one route.
 
     >>> with routed_interrupts():
@@ -41,10 +45,8 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from types import FrameType
-from typing import Any
 
-# What signal.signal takes and gives: a callable, SIG_DFL, SIG_IGN, or None (a handler set from C).
-Handler = Any
+from accelnb.wire.signal_handlers import Handler, handler_of, set_handler
 
 
 class _Route:
@@ -72,6 +74,13 @@ class _Route:
             self.heard = 0  # this one is delivered now: nothing is left for the hold's end
             deliver_sigint(self.target, frame)
 
+    def let_go(self) -> None:
+        """One hold fewer; what was heard during the holds is delivered once none is left."""
+        self.holds -= 1
+        if not self.holds and self.heard:
+            self.heard = 0
+            deliver_sigint(self.target, None)
+
 
 _route: _Route | None = None  # the route in place (main thread only)
 
@@ -98,28 +107,36 @@ def _route_in_place() -> Iterator[_Route | None]:
     if _route is not None:
         yield _route
         return
-    route = _put_route_in_place()
+    route = _put_route_in_place(holds=1)
     try:
+        route.let_go()  # a SIGINT that came as the handler went in is delivered now, inside the block
         yield route
     finally:
         _take_route_away(route)
 
 
-def _put_route_in_place(holds: int = 0) -> _Route:
+def _put_route_in_place(holds: int) -> _Route:
+    """A route in place, holding ``holds`` (at least one) from its handler's first instant: a
+    SIGINT that lands the moment the handler changes, before ``target`` is known, is counted, and
+    delivered by whoever lets go of the last hold. Not one lost, nor one raised in between."""
     global _route
     route = _Route()
-    route.holds = holds  # a hold that puts the route in place holds from the handler's first instant
-    route.target = signal.signal(signal.SIGINT, route)
+    route.holds = holds
+    route.target = set_handler(signal.SIGINT, route)
     _route = route
     return route
 
 
 def _take_route_away(route: _Route) -> None:
+    """The handler the route found goes back, unless code inside set its own, which stays. A
+    SIGINT that lands before the handler has changed is held and delivered after; one after it,
+    by the handler put back. Either way none lands between "no route" and "the route's handler"."""
     global _route
+    route.holds += 1
     _route = None
-    current = signal.signal(signal.SIGINT, route.target)
-    if current is not route:  # code inside set its own: it stays (two calls, where a check was one more each time)
-        signal.signal(signal.SIGINT, current)
+    if handler_of(signal.SIGINT) is route:
+        set_handler(signal.SIGINT, route.target)
+    route.let_go()
 
 
 @contextmanager
@@ -178,11 +195,8 @@ class _Hold:
         if route is None:
             return
         try:
-            route.holds -= 1
             route.second_goes_through = self._outer_wish
-            if not route.holds and route.heard:
-                route.heard = 0
-                deliver_sigint(route.target, None)
+            route.let_go()
         finally:
             if self._owns_route:
                 _take_route_away(route)

@@ -12,7 +12,8 @@
     the session, its ranks and their variables are kept. With ``max_restarts``, no attempt starts
     after a Ctrl-C, even one that only hurried the end of a failed attempt's ranks. A Ctrl-C as
     the template's answer to a spawn is read leaves no exit noted for the pids it named: a rank
-    the OS later gives one of them is not taken for dead.
+    the OS later gives one of them is not taken for dead. A Ctrl-C the moment a call's SIGINT or
+    SIGTERM handler goes in or out is raised once, never lost, and leaves no handler behind.
 15. A rank starts a process in its own session (``start_new_session=True``, as logging daemons
     do) and returns, or raises: that process is gone when the launch is.
 
@@ -27,6 +28,8 @@ import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -39,6 +42,8 @@ import accelnb
 from accelnb.kernel.helper import client
 from accelnb.kernel.helper.template import shared_helper, sockets_held_ahead, unclaimed_exits
 from accelnb.kernel.run.group import rank_processes
+from accelnb.kernel.run.sigterm import sigterm_as_stop
+from accelnb.wire.held_interrupts import held_interrupts, routed_interrupts
 from tests.conftest import wait_until_no_workers, worker_processes
 
 HELPER_DEATH_BOUND_S = 2.0
@@ -365,3 +370,50 @@ def test_detached_grandchild_is_gone_with_its_rank(then: str, tmp_path: Path,
 
     assert (error is None) == (then == "return")
     assert gone is not None, f"a process the rank started in its own session outlived the launch: {children}"
+
+
+def changes_a_handler(frame: FrameType, function: Any) -> bool:
+    """A call into C that reads or changes a signal's handler (``wire/signal_handlers.py``)."""
+    return frame.f_code.co_filename.endswith(os.path.join("wire", "signal_handlers.py"))
+
+
+@contextmanager
+def hold_inside_a_route() -> Iterator[None]:
+    with routed_interrupts(), held_interrupts():
+        yield
+
+
+def _sigterm_handler(signum: int, frame: FrameType | None) -> None:
+    pass
+
+
+BLOCKS: dict[str, Callable[[], AbstractContextManager[None]]] = {
+    "a hold": held_interrupts, "a route": routed_interrupts, "a hold inside a route": hold_inside_a_route,
+    "SIGTERM as a Stop press": sigterm_as_stop}
+
+
+@pytest.mark.parametrize("block", BLOCKS)
+def test_a_ctrl_c_as_a_handler_changes_is_neither_lost_nor_leaves_a_handler_behind(block: str) -> None:
+    """Each moment a block reads or changes a handler, one after another: the Ctrl-C that lands
+    there is raised once (never lost to a route that did not know its target yet), and SIGINT and
+    SIGTERM mean after the block what they meant before it; the next route works. (A launch's
+    sweep above lands on these moments too, among all its others.)"""
+    previous_sigterm = signal.signal(signal.SIGTERM, _sigterm_handler)
+    try:
+        with InterruptAfterCall(0, changes_a_handler) as counting, BLOCKS[block]():
+            pass
+        assert counting.calls >= 2, f"{counting.calls} handler calls in {block}: the test no longer reaches its point"
+        for at in range(1, counting.calls + 1):
+            raised = 0
+            try:
+                with InterruptAfterCall(at, changes_a_handler), BLOCKS[block]():
+                    pass
+            except KeyboardInterrupt:
+                raised += 1
+            assert raised == 1, f"{block}, moment {at}: the Ctrl-C was lost"
+            assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, f"{block}, moment {at}"
+            assert signal.getsignal(signal.SIGTERM) is _sigterm_handler, f"{block}, moment {at}"
+            with pytest.raises(KeyboardInterrupt), routed_interrupts(), held_interrupts():
+                signal.raise_signal(signal.SIGINT)  # the next route holds, then raises
+    finally:
+        signal.signal(signal.SIGTERM, previous_sigterm)

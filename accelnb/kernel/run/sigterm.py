@@ -28,6 +28,7 @@ from types import FrameType
 
 from accelnb.kernel.run import run_state
 from accelnb.kernel.run.group.stop_presses import SIGTERM_PRESS
+from accelnb.wire.signal_handlers import handler_of, set_handler
 
 # A Jupyter kernel's flush hands the cell's last lines to zmq, whose own I/O thread writes them to
 # the socket afterwards; a process that dies of SIGTERM right after the flush loses them (the
@@ -50,11 +51,15 @@ def sigterm_as_stop() -> Iterator[None]:
         if not run_state.request_stop(by=SIGTERM_PRESS):
             raise KeyboardInterrupt  # no run to ask: stop the launch as the stop button would
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    # Every session call: wire/signal_handlers.py says why not signal.signal. The old handler is
+    # read first and the new one set inside the try, so that a Ctrl-C landing at either call
+    # leaves SIGTERM as it found it.
+    previous = handler_of(signal.SIGTERM)
     try:
+        set_handler(signal.SIGTERM, on_sigterm)
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        set_handler(signal.SIGTERM, previous)
         if received:
             for stream in (sys.stdout, sys.stderr):  # a kernel's streams are buffered: the cell's last lines
                 with contextlib.suppress(Exception):

@@ -428,8 +428,10 @@ class WorkerGroup:
             for rank in self._processes.kill_survivors():
                 self._phases.set(rank, "stopped")
         finally:
-            with held_interrupts():  # each report dropped or taken, whatever cuts the close short
+            # Each report dropped or taken and every fd closed, whatever cuts the close short: a
+            # Ctrl-C landing as the hold ends is delivered after all of it.
+            with held_interrupts():
                 self._processes.release()
-            self._channels.close()
-            self.output.finish()
-            self._phases.finish()
+                self._channels.close()
+                self.output.finish()
+                self._phases.finish()

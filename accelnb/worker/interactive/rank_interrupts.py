@@ -40,6 +40,7 @@ from types import FrameType
 from typing import Any, Literal, Protocol
 
 from accelnb.wire.held_interrupts import deliver_sigint
+from accelnb.wire.signal_handlers import handler_of, set_handler
 
 Mode = Literal["held", "raised", "dropped"]
 
@@ -158,10 +159,10 @@ class RankInterrupts:
         the code set in its place is kept for the next calls, and ours goes back."""
         self._mode = "dropped"
         self._held = False
-        current = signal.getsignal(signal.SIGINT)
+        current = handler_of(signal.SIGINT)  # every call: wire/signal_handlers.py says why
         if current != self._heard:
             self._code_handler = current
-            signal.signal(signal.SIGINT, self._heard)
+            set_handler(signal.SIGINT, self._heard)
 
     def _heard(self, signum: int, frame: FrameType | None) -> None:
         if self._mode == "held":

@@ -40,7 +40,8 @@ from typing import Literal
 
 from accelnb.kernel.display.output import OutputRouter, notebook_sink
 from accelnb.kernel.run import run_state
-from accelnb.wire.held_interrupts import Handler, sigint_goes_to
+from accelnb.wire.held_interrupts import sigint_goes_to
+from accelnb.wire.signal_handlers import Handler
 
 STOP_BUTTON = "the stop button"
 PANEL_STOP = "a panel's Stop"
