@@ -49,6 +49,10 @@ CELLS = {
               "if rank == 1:\n"
               "    raise ValueError('boom on rank 1')\n"),
     "bad_option": "%%distributed --procs two\nprint(1)",
+    "expansion_names": "n_procs, keep, command = 2, 'kept', 'status'",
+    "expanded_cell": "%%distributed --procs {n_procs} --cpu --return $keep\nkept = world_size * 10\nnot_kept = 1",
+    "expanded_value": "print(kept, 'not_kept' in globals())",
+    "expanded_line": "%distributed {command}",
     "bad_gpu": "%%distributed --gpus 99\nprint(1)",
     "no_return": "%%distributed --procs 2 --cpu --return none --output all\nsecret = rank\nprint('hi')",
     "secret_absent": "print('secret' in globals())",
@@ -133,6 +137,14 @@ def test_usage_errors_are_short(outputs: dict[str, Any]) -> None:
     visible = read_inventory().visible
     assert (f"GPUs visible to this kernel: {visible[0].index} (" if visible else "--procs N") in bad_gpu, bad_gpu
     assert error_of(outputs["bad_gpu"]) is None  # a usage error, not a traceback
+
+
+def test_the_line_expands_notebook_names_as_ipython_does(outputs: dict[str, Any]) -> None:
+    """``{name}`` and ``$name`` in the magic's line, expanded by accelnb (IPython's own expansion,
+    which copies the whole namespace before every cell, is turned off for the magic)."""
+    assert error_of(outputs["expanded_cell"]) is None, stream_text(outputs["expanded_cell"], "stderr")
+    assert stream_text(outputs["expanded_value"]) == "20 False\n"  # 2 ranks; only `kept` came back
+    assert "no session" in stream_text(outputs["expanded_line"]), outputs["expanded_line"]
 
 
 def test_each_form_has_its_own_grammar(outputs: dict[str, Any]) -> None:

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import MagicArgumentParser
 
 from accelnb.errors import LaunchConfigError, LaunchFailed, UnpicklableError
@@ -183,6 +183,7 @@ class DistributedMagics(Magics):
         # Jupyter's round trip (0.85 ms of a 12 ms cell: benchmarks/bench_session_cell.py).
         self._last_brought_back = ""
 
+    @no_var_expand
     @line_cell_magic
     def distributed(self, line: str, cell: str | None = None) -> Any:
         """Run this cell on every rank (cell form), or manage a persistent session (line form).
@@ -194,6 +195,12 @@ class DistributedMagics(Magics):
         same options, or new ones); ``%distributed panel`` shows the GPU picker;
         ``%distributed doctor`` checks the machine (shm, file limit, NCCL variables, GPUs, ports).
         """
+        if any(mark in line for mark in "{}$"):
+            # IPython's ``{name}``/``$name`` expansion, only for a line that has one: IPython's own,
+            # before every magic, copies the notebook's whole namespace (``var_expand``), a cost
+            # every session cell paid that grows with the notebook. 2: IPython's count from
+            # here to the frame that ran the magic's line (this method, IPython's run_*_magic).
+            line = self.shell.var_expand(line, 2)
         if cell is not None:
             given, returns = parse_cell_line(line)
             return self._run_cell(given, returns, cell, header=f"%%distributed {line}".rstrip())
