@@ -21,7 +21,7 @@ import pytest
 
 from accelnb.kernel.run.sigterm import sigterm_as_stop
 from accelnb.wire.held_interrupts import held_interrupts, routed_interrupts, sigint_goes_to
-from accelnb.wire.signal_handlers import handler_of, set_handler, skips_enum_conversions
+from accelnb.wire.signal_handlers import handler_of, set_handler
 
 
 def test_an_interrupt_inside_the_block_is_raised_when_the_block_ends() -> None:
@@ -153,10 +153,9 @@ def test_a_route_leaves_an_ignored_or_default_sigint_as_it_was() -> None:
 
 
 def test_a_calls_handler_changes_skip_the_enum_conversions() -> None:
-    # This Python's signal wrappers name the C functions they convert for: a release where they
-    # no longer do fails here (accelnb would still work, 90 µs a session cell slower).
-    assert skips_enum_conversions()
-
+    # What comes back is unconverted (an int for SIG_DFL, where signal.signal gives a Handlers
+    # member): a Python where these fall back to the wrappers fails here (accelnb would still
+    # work, 90 µs a session cell slower).
     def handler(signum: int, frame: FrameType | None) -> None:
         pass
 

@@ -29,8 +29,8 @@ kernel's whole call) one handler of ours stays in place: a hold is a counter, an
 :func:`sigint_goes_to` changes where SIGINT goes without telling the OS. The route's own two
 handler changes skip the enum conversions (``wire/signal_handlers.py``), and a route holds while
 its handler goes in and out: a Ctrl-C landing at that moment is neither lost (the route did not
-know where to send it yet) nor raised between the holds of a block (``tests/test_held_interrupts.py``
-lands one at each such moment; ``tests/faults/test_own_faults.py`` at each of a launch). Module-level state:
+know where to send it yet) nor raised between the holds of a block (``tests/faults/test_own_faults.py``
+lands one at each such moment, and at each of a launch). Module-level state:
 ``_route``, the route in place; a process has one SIGINT handler, so at most one route.
 
     >>> with routed_interrupts():

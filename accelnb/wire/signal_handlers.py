@@ -38,7 +38,6 @@ from typing import Any
 Handler = Any
 
 
-
 def _c_functions() -> tuple[Callable[[int, Handler], Handler], Callable[[int], Handler]]:
     try:
         c_signal = importlib.import_module("_signal")
@@ -63,8 +62,3 @@ def set_handler(signum: int, handler: Handler) -> Handler:
 def handler_of(signum: int) -> Handler:
     """``signal.getsignal(signum)``, without converting what it hands back."""
     return _get_handler(signum)
-
-
-def skips_enum_conversions() -> bool:
-    """Whether these call the C functions under ``signal``'s wrappers (see above)."""
-    return _set_handler is not signal.signal and _get_handler is not signal.getsignal
