@@ -4,6 +4,7 @@
 
     AccelnbError
     ├── LaunchConfigError (ValueError)      bad input, raised before any process starts
+    │   ├── CellSyntaxError                 a %%distributed cell Python cannot parse
     │   ├── GpuSelectionError               unknown, duplicate, invisible or empty GPU selection
     │   ├── PortInUseError                  an explicit master_port= is taken
     │   └── UnpicklableError (TypeError)    an argument or notebook name cannot travel to workers
@@ -29,6 +30,7 @@ Every message says what happened, the likely cause, and how to fix it.
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal
@@ -70,6 +72,28 @@ class LaunchConfigError(AccelnbError, ValueError):
 class LaunchInsideLaunchError(LaunchConfigError):
     """A launcher (accelnb's, ``mp.spawn``, Accelerate's, Lightning's) was called inside a rank
     and would start processes again; nothing was started. The message says what to write instead."""
+
+
+class CellSyntaxError(LaunchConfigError):
+    """A ``%%distributed`` cell that Python cannot parse: no rank ran any of it.
+
+    The notebook shows it as it shows a plain cell's syntax error (the cell's line, the caret, the
+    reason), not as a traceback through accelnb's and IPython's frames, which explain nothing.
+    """
+
+    @classmethod
+    def at(cls, error: SyntaxError, filename: str, lines_before: int) -> CellSyntaxError:
+        """``error``, from parsing a cell's body, moved to the cell's ``filename`` and to its line
+        in the cell, which has ``lines_before`` more lines above the body (the magic's line)."""
+        def moved(line: int | None) -> int | None:
+            return None if line is None else line + lines_before
+
+        shown = type(error)(error.msg, (filename, moved(error.lineno), error.offset, error.text,
+                                        moved(error.end_lineno), error.end_offset))
+        return cls("".join(traceback.format_exception_only(type(shown), shown)).rstrip("\n"))
+
+    def _render_traceback_(self) -> list[str]:
+        return str(self).splitlines()
 
 
 class ScriptExited(AccelnbError):

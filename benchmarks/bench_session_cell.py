@@ -21,6 +21,10 @@ alike; each kind's figures pool its kernels, as two kernels running the same cod
   :data:`MANY_CELLS` distinct cells, as a notebook does over a day's work (each is an entry in
   ``linecache``, a name in the namespace): what grows with the notebook shows here (each
   ``%%distributed`` cell looked through every cell's source until 5dc5619: 2 ms more after 3,000);
+- ``plain_real`` and ``accelnb_real``: a cell as notebooks have them (:data:`REAL_CELL`: imports, a
+  small model class, a helper, a config, a loop, a value at the end) as a plain cell and on 2 ranks,
+  which bring back the names it binds: what a cell's size costs each (a rank compiling it, the
+  names and the value coming back) shows here, where ``x = 1`` hides it;
 - ``ipyparallel``: ``%%px`` + ``x = 1`` on a cluster of 2 engines (``ipp.Cluster(n=2)``), the
   tool people use for persistent engines in a notebook; blocking, as ``%%px`` is by default;
 - ``floor``: ``%%floor`` + ``x = 1``, a cell magic written here that does the least any tool could:
@@ -66,10 +70,41 @@ PX_STOP = "rc.close(); cluster.stop_cluster_sync()"
 # "{n}": the cell's number. accelnb names what a cell brought back only when that changed, so the
 # same cell run again prints nothing; "accelnb_new_name" brings back a new name every time, and
 # pays for the line that says so (one more IOPub message).
+# A cell as notebooks have them: a small model, a helper, a config, a loop, a value at the end (the
+# same text in a plain cell, which gets ``rank`` and ``world_size`` from REAL_CELL_NAMES first).
+REAL_CELL = """import torch.nn as nn
+import torch.nn.functional as F
+
+class Net(nn.Module):
+    def __init__(self, hidden=32):
+        super().__init__()
+        self.fc1 = nn.Linear(16, hidden)
+        self.fc2 = nn.Linear(hidden, hidden)
+        self.fc3 = nn.Linear(hidden, 4)
+
+    def forward(self, x):
+        x = F.relu(self.fc1(x))
+        x = F.relu(self.fc2(x))
+        return self.fc3(x)
+
+def describe(model):
+    sizes = [p.numel() for p in model.parameters()]
+    return {{"tensors": len(sizes), "numbers": sum(sizes)}}
+
+config = {{"hidden": 32, "lr": 3e-4, "epochs": 2}}
+history = []
+for epoch in range(config["epochs"]):
+    history.append(epoch)
+steps_per_epoch = 10 * world_size
+summary = f"rank {{rank}}: {{steps_per_epoch}} steps"
+len(history) == config["epochs"] and steps_per_epoch > 0"""
+REAL_CELL_NAMES = "rank, world_size = 0, 1"
 CELLS = {"plain": "x = 1", "plain_line": "x = 1\nprint('accelnb: brought back from rank 0: x')",
          "accelnb": "%%distributed\nx = 1", "accelnb_new_name": "%%distributed\nx{n} = 1",
          "ipyparallel": "%%px\nx = 1", "floor": "%%floor\nx = 1",
-         "plain_after_many": "x = 1", "accelnb_after_many": "%%distributed\nx = 1"}
+         "plain_after_many": "x = 1", "accelnb_after_many": "%%distributed\nx = 1",
+         "plain_real": REAL_CELL, "accelnb_real": "%%distributed\n" + REAL_CELL}
+REAL_LINES = len(REAL_CELL.splitlines())
 MANY_CELLS = 1000  # distinct cells the *_after_many kernels run first
 # The floor's two processes: read a length-prefixed source from stdin, exec it, answer one byte.
 FLOOR_PROCESS = ("import os, struct\nnamespace = {}\nwhile True:\n    head = os.read(0, 4)\n    if not head: break\n"
@@ -214,6 +249,8 @@ def cell_round_trips(kinds: list[str], rounds: int, per_round: int, cpu: dict[st
                 run(client, PX_START)
             elif kind == "floor":
                 run(client, FLOOR_START)
+            elif kind == "plain_real":
+                run(client, REAL_CELL_NAMES)
             if kind.endswith("_after_many"):
                 for number in range(MANY_CELLS):
                     run(client, f"y{number} = {number}  # a distinct cell, as a notebook's are")
@@ -288,11 +325,11 @@ def main() -> None:
     try:
         import ipyparallel  # noqa: F401
         kinds = ["plain", "plain_line", "floor", "accelnb", "accelnb_new_name", "plain_after_many",
-                 "accelnb_after_many", "ipyparallel"]
+                 "accelnb_after_many", "plain_real", "accelnb_real", "ipyparallel"]
         missing = ""
     except ImportError:
         kinds = ["plain", "plain_line", "floor", "accelnb", "accelnb_new_name", "plain_after_many",
-                 "accelnb_after_many"]
+                 "accelnb_after_many", "plain_real", "accelnb_real"]
         missing = "ipyparallel is not installed (`pip install ipyparallel`): its rows are n/a"
     load_before = os.getloadavg()
     began = time.monotonic()
@@ -309,6 +346,7 @@ def main() -> None:
     ours_new, floor = median(cells.get("accelnb_new_name")), median(cells.get("floor"))
     plain_line = median(cells.get("plain_line"))
     plain_many, ours_many = median(cells.get("plain_after_many")), median(cells.get("accelnb_after_many"))
+    plain_real, ours_real = median(cells.get("plain_real")), median(cells.get("accelnb_real"))
     lines = [
         HEADING, "",
         f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; {os.cpu_count()} CPUs "
@@ -329,6 +367,8 @@ def main() -> None:
                 ("accelnb %%distributed, a new name each cell", cells.get("accelnb_new_name", [])),
                 (f"plain cell, after {MANY_CELLS:,} distinct cells", cells.get("plain_after_many", [])),
                 (f"accelnb %%distributed, after {MANY_CELLS:,} distinct cells", cells.get("accelnb_after_many", [])),
+                (f"plain cell of {REAL_LINES} lines (a model, a helper, a loop)", cells.get("plain_real", [])),
+                (f"accelnb %%distributed, the same {REAL_LINES} lines", cells.get("accelnb_real", [])),
                 ("ipyparallel %%px", cells.get("ipyparallel", []))], 1000, "ms"), "",
         "Each kernel's median (ms): " + "; ".join(
             f"{kind} " + " / ".join(f"{value * 1000:.2f}" for value in values) for kind, values in per_kernel.items())
@@ -342,6 +382,8 @@ def main() -> None:
         f"{_ratio(ours_new, plain_line)} | – | – |",
         f"| (for scale) accelnb cell / plain cell, both after {MANY_CELLS:,} distinct cells | "
         f"{_ratio(ours_many, plain_many)} | – | – |",
+        f"| (for scale) accelnb cell / plain cell, both of {REAL_LINES} lines | {_ratio(ours_real, plain_real)} "
+        "| – | – |",
         f"| (for scale) %%floor cell / plain cell | {_ratio(floor, plain)} | – | – |",
         f"| (for scale) %%floor cell / %%px cell | {_ratio(floor, px)} | – | – |",
         f"| (for scale) accelnb cell / %%floor cell | {_ratio(ours, floor)} | – | – |", "",
@@ -359,6 +401,8 @@ def main() -> None:
                     ("accelnb %%distributed, a new name each cell", cpu.get("accelnb_new_name")),
                     (f"plain cell, after {MANY_CELLS:,} distinct cells", cpu.get("plain_after_many")),
                     (f"accelnb %%distributed, after {MANY_CELLS:,} distinct cells", cpu.get("accelnb_after_many")),
+                    (f"plain cell of {REAL_LINES} lines", cpu.get("plain_real")),
+                    (f"accelnb %%distributed, the same {REAL_LINES} lines", cpu.get("accelnb_real")),
                     ("ipyparallel %%px", cpu.get("ipyparallel"))]), "",
         "### 2. Session start, from a kernel with everything imported (s)", "",
         *table([("accelnb `%distributed start --procs 2 --cpu`", start_times.get("accelnb", [])),

@@ -1,13 +1,17 @@
 """What a ``%%distributed`` cell reads and assigns (``wire/cell_analysis.py``): the names the
-magic ships to the ranks and brings back, on the constructs cells are written with."""
+magic ships to the ranks and brings back, on the constructs cells are written with; and where its
+last expression is, which a rank runs from the text alone, at the cell's own lines and columns."""
 
 from __future__ import annotations
 
 import ast
+import linecache
+import traceback
+from collections.abc import Callable
 
 import pytest
 
-from accelnb.wire.cell_analysis import assigned_names, names_bound_by, used_names
+from accelnb.wire.cell_analysis import assigned_names, last_expression, used_names
 
 CELLS = {
     "training loop": (
@@ -59,14 +63,73 @@ def test_names_only_stored_or_attributes_are_not_read() -> None:
 
 
 def test_assigned_names_are_the_top_level_ones_in_order() -> None:
-    assert assigned_names(CELLS["training loop"]) == ["model", "epoch", "loss"]
-    assert assigned_names(CELLS["functions and comprehensions"]) == ["train", "scale"]
-    assert assigned_names("import os\nfrom x import y\n(z := 3)\nclass K: attr = 1") == ["z", "K"]
+    assert assigned_names(CELLS["training loop"]) == ("model", "epoch", "loss")
+    assert assigned_names(CELLS["functions and comprehensions"]) == ("train", "scale")
+    assert assigned_names("import os\nfrom x import y\n(z := 3)\nclass K: attr = 1") == ("z", "K")
 
 
-@pytest.mark.parametrize("source", CELLS.values(), ids=CELLS.keys())
-def test_a_rank_finds_the_same_names_in_the_tree_it_runs(source: str) -> None:
-    """A rank parses the cell once, shifted a line down (the magic's line), and reads the names
-    from that tree."""
-    tree = ast.parse("\n" + source, "<cell In[1]>")
-    assert names_bound_by(tree.body) == assigned_names(source)
+# The cell's value as a rank computed it from its own tree until the kernel read it for the ranks.
+def value_by_the_tree(source: str, namespace: dict[str, object]) -> object:
+    tree = ast.parse(source)
+    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+    exec(compile(tree, "<cell>", "exec"), namespace)
+    return eval(compile(ast.Expression(last.value), "<cell>", "eval"), namespace) if last else None
+
+
+def value_by_the_text(source: str, namespace: dict[str, object]) -> object:
+    """As a rank runs it now (``worker/cell_runner.py``): the statements, then the expression's text."""
+    last = last_expression(source)
+    exec(compile(source if last is None else source[:last.start], "<cell>", "exec"), namespace)
+    return eval(compile(last.text_to_eval(source), "<cell>", "eval"), namespace) if last else None
+
+
+ENDINGS = {
+    "an expression": "x = 2\nx * 3",
+    "after a semicolon, then a comment": "x = 2; (x *\n 3)  ;  # the value",
+    "parenthesised over lines": "x = 2\n(x +\n    # a comment inside\n  1)",
+    "a starred tuple": "a, b = 1, 2\n*[a], b",
+    "after non-ASCII text on its line": "é = 2; é * 5",
+    "Windows line ends": "x = 2\r\ny = 3\r\nx * y",
+    "a form feed inside a line": "x = 2\f\n# \f\nx + 1",
+    "a lambda, a walrus, a conditional": "f = lambda v: v + 1\n(n := f(1)) if True else 0",
+    "an assignment": "x = 2",
+    "a for loop": "for i in range(3):\n    i",
+    "nothing but an expression": "41 + 1",
+    "empty": "",
+}
+
+
+@pytest.mark.parametrize("source", ENDINGS.values(), ids=ENDINGS.keys())
+def test_the_text_gives_the_value_the_tree_gave(source: str) -> None:
+    assert value_by_the_text(source, {}) == value_by_the_tree(source, {})
+    assert last_expression(source) is last_expression(source)  # remembered, as a cell is often run again
+
+
+@pytest.mark.parametrize("source", [
+    "x = 0\n1 / x", "x = 0; 1 / x", "é = 0; 1 / é", "x = 0\n(2 +\n   1 / x)", "x = 0\n1 / x  # the value",
+])
+def test_a_failing_expression_is_shown_at_its_line_and_column(source: str) -> None:
+    """The traceback of the cell's last expression shows what the tree's code showed: the cell's
+    line (one below the magic's) and the carets under the failing part, however its line begins."""
+    filename = "<cell In[7]>"
+    linecache.cache[filename] = (0, None, ["%%distributed\n", *source.splitlines(keepends=True)], filename)
+
+    def shown(run: Callable[[], object]) -> list[str]:
+        with pytest.raises(ZeroDivisionError) as raised:
+            run()
+        return traceback.format_exception(raised.value)[-2].splitlines()
+
+    tree = ast.parse("\n" + source, filename)
+    by_the_tree = shown(lambda: eval(compile(ast.Expression(tree.body[-1].value), filename, "eval"), {"x": 0, "é": 0}))
+    last = last_expression(source)
+    assert last is not None
+    by_the_text = shown(lambda: eval(compile(last.text_to_eval(source, lines_before=1), filename, "eval"),
+                                     {"x": 0, "é": 0}))
+    assert by_the_text == by_the_tree
+    assert "~^~" in by_the_text[-1]  # and the carets are there to compare
+
+
+def test_a_cell_python_cannot_parse_raises_in_the_kernel() -> None:
+    with pytest.raises(SyntaxError) as raised:
+        last_expression("x = 1\ny = (")
+    assert raised.value.lineno == 2

@@ -89,6 +89,9 @@ CELLS = {
     "restart_as_before": "%distributed restart",
     "status_again": "%distributed status",
     "variables_are_new": "%%distributed\n'model' in globals()",
+    "syntax_error": "%%distributed\nbefore_the_error = 1\ny = (",
+    "nothing_ran": "%%distributed\n'before_the_error' in globals()",
+    "fails_in_value": "%%distributed\nz = 0; 1 / z",
     "stop": "%distributed stop",
     "after_stop": PIDS + "\nprint(magic.session)",
 }
@@ -126,6 +129,24 @@ def test_a_failing_rank_shows_the_cells_own_lines(outputs: dict[str, Any]) -> No
     assert '[rank 1]   File "<cell In[6]>", line 4, in <module>' in shown
     assert "[rank 1]     raise ValueError('boom on rank 1')" in shown
     assert "supervisor.py" not in shown  # launcher internals stay hidden
+
+
+def test_a_cell_python_cannot_parse_is_shown_at_its_line_and_no_rank_runs_any_of_it(outputs: dict[str, Any]) -> None:
+    error = error_of(outputs["syntax_error"])
+    assert error is not None and error["ename"] == "CellSyntaxError"
+    shown = "\n".join(error["traceback"])
+    assert re.search(r'File "<cell In\[\d+\]>", line 3\n    y = \(\n        \^\n'
+                     r"SyntaxError: '\(' was never closed$", shown)
+    assert "magic.py" not in shown and "interactiveshell" not in shown  # Python's display, no frames
+    assert result_of(outputs["nothing_ran"]) == "False"
+
+
+def test_a_cells_value_that_fails_is_shown_at_its_line(outputs: dict[str, Any]) -> None:
+    error = error_of(outputs["fails_in_value"])
+    assert error is not None and error["ename"] == "ZeroDivisionError"
+    shown = "\n".join(error["traceback"])
+    assert re.search(r'\[rank 0\]   File "<cell In\[\d+\]>", line 2, in <module>\n\[rank 0\]     z = 0; 1 / z\n'
+                     r'\[rank 0\]  +~~\^~~', shown)
 
 
 def test_usage_errors_are_short(outputs: dict[str, Any]) -> None:
@@ -261,9 +282,9 @@ def test_api_wording_becomes_the_magics() -> None:
 @pytest.mark.usefixtures("no_leftovers")
 def test_a_cell_gets_the_planned_device_not_one_it_derives() -> None:
     # A synthetic inventory plans cpu ranks; on a GPU host the cell used to get cuda:N anyway.
-    request = CellRequest(source="import os\n(str(device), os.environ['CUDA_VISIBLE_DEVICES'])",
-                          filename="<cell In[1]>", header="%%distributed", names={}, modules={},
-                          return_names=[])
+    request = CellRequest.read("import os\n(str(device), os.environ['CUDA_VISIBLE_DEVICES'])",
+                               filename="<cell In[1]>", header="%%distributed", names={}, modules={},
+                               return_names=[])
     result = launch(run_cell, (request,), gpus="1,3", inventory=synthetic_inventory(8), quiet=True,
                     collect="rank0")
     assert [r.device for r in result.plan.ranks] == ["cpu", "cpu"]
@@ -272,8 +293,8 @@ def test_a_cell_gets_the_planned_device_not_one_it_derives() -> None:
 
 # ── the worker half: the notebook's names never replace what a cell bound on the rank ───────
 def cell(source: str, **names: Any) -> CellRequest:
-    return CellRequest(source=source, filename="<cell In[1]>", header="%%distributed", names=names,
-                       modules={"torch": "torch"}, return_names=[])
+    return CellRequest.read(source, filename="<cell In[1]>", header="%%distributed", names=names,
+                            modules={"torch": "torch"}, return_names=[])
 
 
 @pytest.mark.usefixtures("no_leftovers")

@@ -20,8 +20,8 @@ from accelnb.wire.cell_contract import RUN_CELL, CellOutcome, CellRequest
 
 
 def cell_request(**names: Any) -> CellRequest:
-    return CellRequest(source="x = lr * 2", filename="<cell In[3]>", header="%%distributed", names=names,
-                       modules={}, return_names=None)
+    return CellRequest.read("x = lr * 2", filename="<cell In[3]>", header="%%distributed", names=names,
+                            modules={}, return_names=None)
 
 
 class Tag(str):

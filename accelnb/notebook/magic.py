@@ -42,7 +42,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import MagicArgumentParser
 
-from accelnb.errors import LaunchConfigError, LaunchFailed, UnpicklableError
+from accelnb.errors import CellSyntaxError, LaunchConfigError, LaunchFailed, UnpicklableError
 from accelnb.kernel.display.byte_sizes import describe_limit, human_bytes, parse_byte_size
 from accelnb.kernel.doctor.checks import doctor
 from accelnb.kernel.helper.payload import check_picklable
@@ -60,7 +60,7 @@ from accelnb.options import (
 )
 from accelnb.other_launchers import torchrun
 from accelnb.session import Session
-from accelnb.wire.cell_analysis import assigned_names, used_names
+from accelnb.wire.cell_analysis import used_names
 from accelnb.wire.cell_contract import DEFAULT_RETURN_LIMIT, RUN_CELL, CellOutcome, CellRequest
 from accelnb.wire.result_pickling import loads_in_kernel
 
@@ -256,10 +256,7 @@ class DistributedMagics(Magics):
                              "run this cell again; or drop --ranks to run it on every rank of a one-shot launch.")
         with _as_usage_error():
             options = _CELL_DEFAULTS.with_keywords(given, accepted=ALL_OPTIONS, caller="%%distributed")
-        # IPython has already counted this cell when magics run: the prompt shows one less.
-        request = CellRequest(source=source, filename=f"<cell In[{self.shell.execution_count - 1}]>",
-                              header=header, names={}, modules={}, return_names=returns.names,
-                              return_limit=returns.limit, reply_rank=options.ranks[0] if options.ranks else 0)
+        request = self._request(source, header, returns, reply_rank=options.ranks[0] if options.ranks else 0)
         request.names.update(self._ship(source, skip=self._names_on_ranks if in_session else set()))
         request.modules.update(self._modules(source))
         try:
@@ -268,7 +265,7 @@ class DistributedMagics(Magics):
                     assert self.session is not None
                     result = self.session.run(RUN_CELL, (request,), **_call_keywords(options))
                     if options.ranks is None:  # names a --ranks cell assigns are on its ranks only:
-                        self._names_on_ranks.update(assigned_names(source))  # later cells ship them
+                        self._names_on_ranks.update(request.assigned_names)  # later cells ship them
                 else:
                     result = launch_with(RUN_CELL, (request,), {}, options)
         finally:
@@ -292,11 +289,21 @@ class DistributedMagics(Magics):
         if name not in self.shell.user_ns:
             raise UsageError(f"--sweep {name}: no {name!r} in the notebook. Define it first, e.g. "
                              f'{name} = [{{"lr": 1e-3}}, {{"lr": 1e-2}}].')
-        request = CellRequest(source=source, filename=f"<cell In[{self.shell.execution_count - 1}]>",
-                              header=header, names=self._ship(source, skip={CONFIG_NAME}),
-                              modules=self._modules(source), return_names=[], return_limit=returns.limit)
+        request = self._request(source, header, CellReturns([], returns.limit))
+        request.names.update(self._ship(source, skip={CONFIG_NAME}))
+        request.modules.update(self._modules(source))
         with _as_usage_error():
             run_cell_sweep(request, self.shell.user_ns[name], given, sweep, self.shell.user_ns)
+
+    def _request(self, source: str, header: str, returns: CellReturns, reply_rank: int = 0) -> CellRequest:
+        """The cell's request, read in the kernel: a cell Python cannot parse stops here, before any
+        process starts, shown at its line as the notebook shows a syntax error."""
+        filename = f"<cell In[{self.shell.execution_count - 1}]>"  # IPython counted this cell before its magic ran
+        try:
+            return CellRequest.read(source, filename=filename, header=header, names={}, modules={},
+                                    return_names=returns.names, return_limit=returns.limit, reply_rank=reply_rank)
+        except SyntaxError as error:
+            raise CellSyntaxError.at(error, filename, lines_before=1) from None  # the magic's line
 
     def _ship(self, source: str, skip: set[str]) -> dict[str, Any]:
         namespace = self.shell.user_ns

@@ -6,8 +6,10 @@ answers with a :class:`CellOutcome`. Both sides import these from here, so the k
 imports the worker's code and the worker never imports the notebook's: :data:`RUN_CELL` names
 the worker's function, and the rank imports it when called.
 
-    >>> request = CellRequest(source="x = rank", filename="<cell In[1]>", header="%%distributed",
-    ...                       names={}, modules={}, return_names=None)
+    >>> request = CellRequest.read("x = rank", filename="<cell In[1]>", header="%%distributed",
+    ...                            names={}, modules={}, return_names=None)
+    >>> request.assigned_names, request.last_expression
+    (('x',), None)
     >>> session.run(RUN_CELL, (request,))                     # doctest: +SKIP
 """
 
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from accelnb.wire.buffers import Packed, plain_record
+from accelnb.wire.cell_analysis import LastExpression, assigned_names, last_expression
 
 # What a cell brings back unless --return-limit says otherwise (``worker/return_budget.py``).
 DEFAULT_RETURN_LIMIT = 256 * 2**20
@@ -32,8 +35,21 @@ class CellRequest:
     names: dict[str, Any]  # notebook values the cell uses
     modules: dict[str, str]  # name → module to import, for notebook names that are modules
     return_names: list[str] | None  # None: every assigned name, within return_limit; []: none
+    # What the kernel read in the source (``wire/cell_analysis.py``), so that no rank parses it:
+    assigned_names: tuple[str, ...]  # bound at the cell's top level: what comes back unless return_names
+    last_expression: LastExpression | None  # where the cell's value is, when it ends with an expression
     return_limit: int | None = DEFAULT_RETURN_LIMIT  # bytes; None: no budget
     reply_rank: int = 0  # the rank whose value and names come back (the first of --ranks)
+
+    @classmethod
+    def read(cls, source: str, *, filename: str, header: str, names: dict[str, Any], modules: dict[str, str],
+             return_names: list[str] | None, return_limit: int | None = DEFAULT_RETURN_LIMIT,
+             reply_rank: int = 0) -> CellRequest:
+        """The request for ``source``, with what the kernel reads in it; raises ``SyntaxError``
+        (its positions counted in ``source``) for a cell Python cannot parse."""
+        return cls(source=source, filename=filename, header=header, names=names, modules=modules,
+                   return_names=return_names, assigned_names=assigned_names(source),
+                   last_expression=last_expression(source), return_limit=return_limit, reply_rank=reply_rank)
 
 
 @plain_record

@@ -10,9 +10,13 @@ cell's line numbers and lines. Rank 0 (the first of ``--ranks``) sends back the 
 expression and the names the cell assigned (tensors on the CPU), within a size budget
 (``worker/return_budget.py``).
 
-    >>> run_cell(CellRequest(source="x = rank\nx + 1", filename="<cell In[1]>",
-    ...                      header="%%distributed", names={}, modules={}, return_names=None))
+    >>> run_cell(CellRequest.read("x = rank\nx + 1", filename="<cell In[1]>",
+    ...                           header="%%distributed", names={}, modules={}, return_names=None))
     ... # doctest: +SKIP  (inside a rank)
+
+The rank compiles the source as it is: the kernel read it already (``wire/cell_analysis.py``) and
+the request says which names the cell assigns and where its last expression is, so no rank builds
+a syntax tree (for a 30-line cell, 343 µs a rank against 169 for compiling the text alone).
 
 The notebook's names that the cell uses come with it (``request.names``), but never over a name
 that a cell bound on this rank: the rank's own value wins, as the kernel, which ships no name an
@@ -34,14 +38,12 @@ environment at its first cell (a process is one rank for its whole life), set ag
 
 from __future__ import annotations
 
-import ast
 import importlib
 import linecache
 import os
 import weakref
 from typing import Any
 
-from accelnb.wire.cell_analysis import names_bound_by
 from accelnb.wire.cell_contract import CellOutcome, CellRequest
 from accelnb.wire.result_pickling import dumps_for_kernel
 from accelnb.worker.return_budget import choose_returns
@@ -76,12 +78,11 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
     padded = "\n" + request.source
     lines = [request.header + "\n", *request.source.splitlines(keepends=True)]
     linecache.cache[request.filename] = (len(padded), None, lines, request.filename)
-    tree = ast.parse(padded, request.filename)
-    statements = list(tree.body)  # the cell's names come from this tree: one parse (145 µs for 30 lines)
-    last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    assert last is None or isinstance(last, ast.Expr)
-    exec(compile(tree, request.filename, "exec"), namespace)
-    value = eval(compile(ast.Expression(last.value), request.filename, "eval"), namespace) if last else None
+    last = request.last_expression  # its value is the cell's: the statements before it run first
+    statements = padded if last is None else padded[:1 + last.start]
+    exec(compile(statements, request.filename, "exec"), namespace)
+    value = eval(compile(last.text_to_eval(request.source, lines_before=1), request.filename, "eval"),
+                 namespace) if last else None
     if rank != request.reply_rank:
         return None
 
@@ -92,7 +93,7 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
         except Exception:
             outcome.last_value_repr = repr(value)
     explicit = request.return_names is not None
-    wanted = request.return_names if request.return_names is not None else names_bound_by(statements)
+    wanted = request.return_names if request.return_names is not None else request.assigned_names
     for name in wanted:
         if name not in namespace:
             outcome.not_returned[name] = f"not defined on rank {rank}"
