@@ -82,15 +82,15 @@ class CellSyntaxError(LaunchConfigError):
     """
 
     @classmethod
-    def at(cls, error: SyntaxError, filename: str, lines_before: int) -> CellSyntaxError:
-        """``error``, from parsing a cell's body, moved to the cell's ``filename`` and to its line
-        in the cell, which has ``lines_before`` more lines above the body (the magic's line)."""
-        def moved(line: int | None) -> int | None:
-            return None if line is None else line + lines_before
-
-        shown = type(error)(error.msg, (filename, moved(error.lineno), error.offset, error.text,
-                                        moved(error.end_lineno), error.end_offset))
-        return cls("".join(traceback.format_exception_only(type(shown), shown)).rstrip("\n"))
+    def of(cls, error: SyntaxError) -> CellSyntaxError:
+        """Python's report of ``error``, from parsing the cell as the notebook shows it (its lines,
+        and the lines its message names, counted from the magic's line)."""
+        message = "".join(traceback.format_exception_only(type(error), error)).rstrip("\n")
+        if (error.text or "").lstrip().startswith(("!", "%")):
+            message += ("\nA %%distributed cell runs as plain Python on every rank, where IPython's `!command` "
+                        "and `%magic` lines do not exist: use subprocess.run([...]) or os.system(...) for a "
+                        "command, or run the magic in a cell of its own.")
+        return cls(message)
 
     def _render_traceback_(self) -> list[str]:
         return str(self).splitlines()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from accelnb.wire.cell_analysis import assigned_names, last_expression, used_names
+from accelnb.wire.cell_analysis import assigned_names, last_expression, syntax_error, used_names
 
 CELLS = {
     "training loop": (
@@ -133,3 +133,11 @@ def test_a_cell_python_cannot_parse_raises_in_the_kernel() -> None:
     with pytest.raises(SyntaxError) as raised:
         last_expression("x = 1\ny = (")
     assert raised.value.lineno == 2
+
+
+def test_a_syntax_error_is_reported_for_the_cell_as_the_notebook_shows_it() -> None:
+    """Below the magic's line: the error's line, and the line its message names, are the cell's."""
+    error = syntax_error("for i in x:\nprint(i)", "<cell In[4]>", lines_before=1)
+    assert error is not None and (error.filename, error.lineno, error.text) == ("<cell In[4]>", 3, "print(i)\n")
+    assert error.msg == "expected an indented block after 'for' statement on line 2"
+    assert syntax_error("x = 1", "<cell In[4]>", lines_before=1) is None

@@ -92,6 +92,7 @@ CELLS = {
     "syntax_error": "%%distributed\nbefore_the_error = 1\ny = (",
     "nothing_ran": "%%distributed\n'before_the_error' in globals()",
     "fails_in_value": "%%distributed\nz = 0; 1 / z",
+    "shell_escape": "%%distributed\nimport os\n!nvidia-smi",
     "stop": "%distributed stop",
     "after_stop": PIDS + "\nprint(magic.session)",
 }
@@ -139,6 +140,10 @@ def test_a_cell_python_cannot_parse_is_shown_at_its_line_and_no_rank_runs_any_of
                      r"SyntaxError: '\(' was never closed$", shown)
     assert "magic.py" not in shown and "interactiveshell" not in shown  # Python's display, no frames
     assert result_of(outputs["nothing_ran"]) == "False"
+    escape = error_of(outputs["shell_escape"])  # IPython's syntax, which a rank's Python lacks: how instead
+    assert escape is not None and escape["ename"] == "CellSyntaxError"
+    assert "line 3\n    !nvidia-smi\n    ^\nSyntaxError: invalid syntax\nA %%distributed cell runs as plain Python" in (
+        "\n".join(escape["traceback"]))
 
 
 def test_a_cells_value_that_fails_is_shown_at_its_line(outputs: dict[str, Any]) -> None:

@@ -60,7 +60,7 @@ from accelnb.options import (
 )
 from accelnb.other_launchers import torchrun
 from accelnb.session import Session
-from accelnb.wire.cell_analysis import used_names
+from accelnb.wire.cell_analysis import syntax_error, used_names
 from accelnb.wire.cell_contract import DEFAULT_RETURN_LIMIT, RUN_CELL, CellOutcome, CellRequest
 from accelnb.wire.result_pickling import loads_in_kernel
 
@@ -302,8 +302,8 @@ class DistributedMagics(Magics):
         try:
             return CellRequest.read(source, filename=filename, header=header, names={}, modules={},
                                     return_names=returns.names, return_limit=returns.limit, reply_rank=reply_rank)
-        except SyntaxError as error:
-            raise CellSyntaxError.at(error, filename, lines_before=1) from None  # the magic's line
+        except SyntaxError as error:  # reported for the cell as the notebook shows it, below the magic's line
+            raise CellSyntaxError.of(syntax_error(source, filename, lines_before=1) or error) from None
 
     def _ship(self, source: str, skip: set[str]) -> dict[str, Any]:
         namespace = self.shell.user_ns

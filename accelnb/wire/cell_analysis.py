@@ -104,6 +104,17 @@ def assigned_names(source: str) -> tuple[str, ...]:
     return tuple(names)
 
 
+def syntax_error(source: str, filename: str, lines_before: int = 0) -> SyntaxError | None:
+    """What Python reports of a ``source`` it cannot parse, placed ``lines_before`` lines down in
+    ``filename`` (the notebook's cell, under its magic's line): the error's line and those its
+    message names ("after 'for' statement on line 2") are the cell's. None when it parses."""
+    try:
+        ast.parse("\n" * lines_before + source, filename)
+    except SyntaxError as error:
+        return error
+    return None
+
+
 @functools.lru_cache(maxsize=8)
 def last_expression(source: str) -> LastExpression | None:
     """Where the cell's last top-level statement is, when it is an expression; None otherwise."""
