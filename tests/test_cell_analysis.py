@@ -85,7 +85,7 @@ def value_by_the_text(source: str, namespace: dict[str, object]) -> object:
 
 ENDINGS = {
     "an expression": "x = 2\nx * 3",
-    "after a semicolon, then a comment": "x = 2; (x *\n 3)  ;  # the value",
+    "after a semicolon, then a comment": "x = 2; (x *\n 3)  # the value; not the end",
     "parenthesised over lines": "x = 2\n(x +\n    # a comment inside\n  1)",
     "a starred tuple": "a, b = 1, 2\n*[a], b",
     "after non-ASCII text on its line": "é = 2; é * 5",
@@ -141,3 +141,13 @@ def test_a_syntax_error_is_reported_for_the_cell_as_the_notebook_shows_it() -> N
     assert error is not None and (error.filename, error.lineno, error.text) == ("<cell In[4]>", 3, "print(i)\n")
     assert error.msg == "expected an indented block after 'for' statement on line 2"
     assert syntax_error("x = 1", "<cell In[4]>", lines_before=1) is None
+
+
+def test_a_semicolon_after_the_last_expression_means_no_value_as_in_a_plain_cell() -> None:
+    """IPython shows no ``Out`` for a cell that ends with ``;``; the expression still runs."""
+    for source in ("x = 2\nx * 3;", "x = 2\nx * 3 ;  # no value", "x = 2\n(x *\n 3)\t;\n\n# done"):
+        assert last_expression(source) is None
+        assert value_by_the_text(source, {}) is None
+    ran: list[int] = []
+    value_by_the_text("ran.append(1);", {"ran": ran})
+    assert ran == [1]

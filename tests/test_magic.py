@@ -93,6 +93,7 @@ CELLS = {
     "nothing_ran": "%%distributed\n'before_the_error' in globals()",
     "fails_in_value": "%%distributed\nz = 0; 1 / z",
     "shell_escape": "%%distributed\nimport os\n!nvidia-smi",
+    "no_value": "%%distributed\nquiet = 5\nquiet * 2;",
     "stop": "%distributed stop",
     "after_stop": PIDS + "\nprint(magic.session)",
 }
@@ -152,6 +153,11 @@ def test_a_cells_value_that_fails_is_shown_at_its_line(outputs: dict[str, Any]) 
     shown = "\n".join(error["traceback"])
     assert re.search(r'\[rank 0\]   File "<cell In\[\d+\]>", line 2, in <module>\n\[rank 0\]     z = 0; 1 / z\n'
                      r'\[rank 0\]  +~~\^~~', shown)
+
+
+def test_a_cell_ending_with_a_semicolon_shows_no_value_as_a_plain_cell(outputs: dict[str, Any]) -> None:
+    assert result_of(outputs["no_value"]) is None
+    assert "brought back from rank 0: quiet" in stream_text(outputs["no_value"])
 
 
 def test_usage_errors_are_short(outputs: dict[str, Any]) -> None:

@@ -117,15 +117,19 @@ def syntax_error(source: str, filename: str, lines_before: int = 0) -> SyntaxErr
 
 @functools.lru_cache(maxsize=8)
 def last_expression(source: str) -> LastExpression | None:
-    """Where the cell's last top-level statement is, when it is an expression; None otherwise."""
+    """Where the cell's value is: its last top-level statement, when that is an expression not
+    followed by a ``;`` (which, as in a plain cell, says "no value": the expression still runs, as
+    a statement). None otherwise."""
     body = _parsed(source).body
     if not body or not isinstance(body[-1], ast.Expr):
         return None
     last = body[-1]
     assert last.end_lineno is not None and last.end_col_offset is not None  # a parsed tree has them
     starts = [0, *(match.end() for match in _LINE_END.finditer(source))]
-    return LastExpression(start=_offset(source, starts, last.lineno, last.col_offset),
-                          end=_offset(source, starts, last.end_lineno, last.end_col_offset),
+    end = _offset(source, starts, last.end_lineno, last.end_col_offset)
+    if source[end:].lstrip(" \t\f\r\n").startswith(";"):  # only a ";", comments and blanks follow the last statement
+        return None
+    return LastExpression(start=_offset(source, starts, last.lineno, last.col_offset), end=end,
                           line=last.lineno, column=last.col_offset)
 
 
