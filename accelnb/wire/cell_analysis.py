@@ -2,8 +2,9 @@
 where its value is.
 
 The kernel reads the cell, once, and the ranks are told what it found (``wire/cell_contract.py``):
-they compile the source as it is and build no syntax tree of their own (for a 30-line cell, parsing
-into Python's ``ast`` objects and compiling those took 343 µs a rank, compiling the text 169).
+they compile the source as it is and build no syntax tree of their own (for the 26-line cell of
+``benchmarks/bench_session_cell.py``, parsing into Python's ``ast`` objects and compiling those took
+360 µs a rank, hot, compiling the text 170).
 A cell Python cannot parse raises ``SyntaxError`` here, in the kernel, before any rank runs it.
 
 Pure functions over the AST, so they are cheap and testable without a kernel::
