@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
-from accelnb.wire.cell_analysis import assigned_names, last_expression, syntax_error, used_names
+from accelnb.wire.cell_analysis import assigned_names, last_expression, runnable_parts, syntax_error, used_names
 
 CELLS = {
     "training loop": (
@@ -78,9 +78,9 @@ def value_by_the_tree(source: str, namespace: dict[str, object]) -> object:
 
 def value_by_the_text(source: str, namespace: dict[str, object]) -> object:
     """As a rank runs it now (``worker/cell_runner.py``): the statements, then the expression's text."""
-    last = last_expression(source)
-    exec(compile(source if last is None else source[:last.start], "<cell>", "exec"), namespace)
-    return eval(compile(last.text_to_eval(source), "<cell>", "eval"), namespace) if last else None
+    statements, expression = runnable_parts(source, last_expression(source))
+    exec(compile(statements, "<cell>", "exec"), namespace)
+    return eval(compile(expression, "<cell>", "eval"), namespace) if expression is not None else None
 
 
 ENDINGS = {
@@ -121,10 +121,9 @@ def test_a_failing_expression_is_shown_at_its_line_and_column(source: str) -> No
 
     tree = ast.parse("\n" + source, filename)
     by_the_tree = shown(lambda: eval(compile(ast.Expression(tree.body[-1].value), filename, "eval"), {"x": 0, "é": 0}))
-    last = last_expression(source)
-    assert last is not None
-    by_the_text = shown(lambda: eval(compile(last.text_to_eval(source, lines_before=1), filename, "eval"),
-                                     {"x": 0, "é": 0}))
+    _, expression = runnable_parts(source, last_expression(source), lines_before=1)
+    assert expression is not None
+    by_the_text = shown(lambda: eval(compile(expression, filename, "eval"), {"x": 0, "é": 0}))
     assert by_the_text == by_the_tree
     assert "~^~" in by_the_text[-1]  # and the carets are there to compare
 

@@ -63,6 +63,16 @@ class LastExpression:
         return "(" + text + ")"  # nothing above the source's first line: one column off in a traceback
 
 
+def runnable_parts(source: str, last: LastExpression | None, lines_before: int = 0) -> tuple[str, str | None]:
+    """How a cell runs: the text of the statements before its value, to ``exec``, and the text of
+    its value's expression, to ``eval`` after them (None: the cell has no value), both placed at
+    the cell's own lines, under ``lines_before`` more (the magic's line)."""
+    above = "\n" * lines_before
+    if last is None:
+        return above + source, None
+    return above + source[:last.start], last.text_to_eval(source, lines_before)
+
+
 @functools.lru_cache(maxsize=8)
 def _parsed(source: str) -> ast.Module:
     """The cell's tree, parsed once for the several questions a cell's run asks of it (read only)."""

@@ -44,6 +44,7 @@ import os
 import weakref
 from typing import Any
 
+from accelnb.wire.cell_analysis import runnable_parts
 from accelnb.wire.cell_contract import CellOutcome, CellRequest
 from accelnb.wire.result_pickling import dumps_for_kernel
 from accelnb.worker.return_budget import choose_returns
@@ -75,14 +76,11 @@ def run_cell(request: CellRequest) -> CellOutcome | None:
     rank = _identity["rank"]
 
     # Line numbers count from the magic line, as the notebook shows the cell.
-    padded = "\n" + request.source
     lines = [request.header + "\n", *request.source.splitlines(keepends=True)]
-    linecache.cache[request.filename] = (len(padded), None, lines, request.filename)
-    last = request.last_expression  # its value is the cell's: the statements before it run first
-    statements = padded if last is None else padded[:1 + last.start]
+    linecache.cache[request.filename] = (sum(map(len, lines)), None, lines, request.filename)
+    statements, expression = runnable_parts(request.source, request.last_expression, lines_before=1)
     exec(compile(statements, request.filename, "exec"), namespace)
-    value = eval(compile(last.text_to_eval(request.source, lines_before=1), request.filename, "eval"),
-                 namespace) if last else None
+    value = eval(compile(expression, request.filename, "eval"), namespace) if expression is not None else None
     if rank != request.reply_rank:
         return None
 
