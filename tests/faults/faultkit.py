@@ -14,7 +14,9 @@ faults after one ``all_reduce`` went through. Failing in set-up itself is covere
 
 The kernel side is :class:`RunWatcher`: a thread that, while a launch runs, collects every
 process under the helper (recursively), every port they listen on, and the reports, and can
-SIGKILL a worker from outside. :func:`wait_gone` then times how long until every pid is gone.
+SIGKILL a worker from outside. :func:`wait_gone` then times how long until every process it saw
+is gone. A process is its pid and when it started (:func:`started_at`): a pid the OS gave again
+since is another process, not one that failed to go.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,7 +57,8 @@ def fault_target(fault: str, fault_rank: int, phase: str, report_dir: str,
 
     rank = dist.get_rank()
     child = subprocess.Popen(["sleep", "600"])  # a rank's own child process must go too
-    report(report_dir, rank, pid=os.getpid(), child_pid=child.pid, port=int(os.environ["MASTER_PORT"]))
+    report(report_dir, rank, pid=os.getpid(), pid_started=started_at(os.getpid()), child_pid=child.pid,
+           child_pid_started=started_at(child.pid), port=int(os.environ["MASTER_PORT"]))
     wait_for_report(report_dir, 1 - rank, "pid")  # so that the test knows every pid before the fault
     tensor = torch.ones(1)
     if phase == "after":
@@ -146,24 +149,73 @@ def descendants(pid: int) -> list[psutil.Process]:
     return []
 
 
-def is_gone(pid: int) -> bool:
+ALREADY_GONE = -1  # when a process started, where it had gone before it was seen: no process starts before boot
+
+
+def started_at(pid: int) -> int | None:
+    """When ``pid`` started, in clock ticks since boot (field 22 of ``/proc/PID/stat``); None when
+    no process has that pid. A pid is given again once its process is gone (sooner than a wrap
+    around the pid space where someone rewinds ``ns_last_pid``): only the pid and this together
+    name one process."""
+    stat = _stat_fields(pid)
+    return None if stat is None else int(stat[19])
+
+
+def is_gone(pid: int, started: int | None = None) -> bool:
+    """No process ``pid`` runs (a zombie counts as gone: it holds nothing but its pid); with
+    ``started`` (:func:`started_at` when it was seen), a process that got the pid since is not it."""
+    stat = _stat_fields(pid)
+    return stat is None or stat[0] in (b"Z", b"X") or (started is not None and int(stat[19]) != started)
+
+
+def _stat_fields(pid: int) -> list[bytes] | None:
+    """``/proc/PID/stat`` from its third field (the state) on; None when no process has that pid."""
     try:
-        return psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return True
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            fields = stat.read()
+    except OSError:
+        return None
+    return fields[fields.rindex(b")") + 2:].split()  # the name (field 2) may hold spaces and ")"
 
 
-def wait_gone(pids: Iterable[int], timeout: float) -> float | None:
-    """``time.time()`` when every pid had gone (zombies count as gone), None on timeout."""
-    pending = set(pids)
+def identified(pids: Iterable[int] | Mapping[int, int | None]) -> dict[int, int | None]:
+    """pid: when it started, for each of ``pids``; a mapping is taken as that already."""
+    if isinstance(pids, Mapping):
+        return dict(pids)
+    return {pid: started_at(pid) for pid in pids}
+
+
+def wait_gone(pids: Iterable[int] | Mapping[int, int | None], timeout: float) -> float | None:
+    """``time.time()`` when every process had gone (zombies count as gone), None on timeout.
+    ``pids`` maps each pid to when it started (:func:`started_at`, as a watcher saw it), or is
+    plain pids, each the process that has it now."""
+    pending = identified(pids)
     deadline = time.monotonic() + timeout
     while True:
-        pending = {pid for pid in pending if not is_gone(pid)}
+        pending = {pid: started for pid, started in pending.items() if not is_gone(pid, started)}
         if not pending:
             return time.time()
         if time.monotonic() > deadline:
             return None
         time.sleep(0.01)
+
+
+def still_running(pids: Mapping[int, int | None], roles: Mapping[int, str]) -> list[str]:
+    """What each process of ``pids`` that has not gone is, for a failure's message: its role in
+    the run (``roles``), name, state, parent and command line."""
+    described = []
+    for pid, started in sorted(pids.items()):
+        if is_gone(pid, started):
+            continue
+        try:
+            process = psutil.Process(pid)
+            parent = process.parent()
+            described.append(f"pid {pid} ({roles.get(pid, 'seen under the helper')}): {process.name()}, "
+                             f"{process.status()}, parent {process.ppid()} "
+                             f"({parent.name() if parent else '?'}): {' '.join(process.cmdline())[:200]}")
+        except psutil.Error as error:
+            described.append(f"pid {pid} ({roles.get(pid, 'seen under the helper')}): {error!r}")
+    return described
 
 
 def listening_on(port: int) -> list[Any]:
@@ -223,7 +275,10 @@ class RunWatcher:
     report_dir: Path
     on_report: Callable[[int, dict[str, Any]], None] | None = None
     interval: float = 0.03
-    pids: set[int] = field(default_factory=set)
+    # Every process seen, pid: when it started (started_at when first seen, or as the rank
+    # reported it; ALREADY_GONE when it had gone by then), and what each was, for a failure's message.
+    seen: dict[int, int] = field(default_factory=dict)
+    roles: dict[int, str] = field(default_factory=dict)
     ports: set[int] = field(default_factory=set)
     # Where each port was first seen, for a failure's message: a process's listening socket, or a
     # rank's report of its rendezvous port.
@@ -231,6 +286,20 @@ class RunWatcher:
     reports: dict[int, dict[str, Any]] = field(default_factory=dict)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
+
+    @property
+    def pids(self) -> set[int]:
+        return set(self.seen)
+
+    def processes(self, *more: Iterable[int]) -> dict[int, int | None]:
+        """Every process seen, and the ``more`` pids it did not see (each the process that has
+        the pid now): what :func:`wait_gone` takes."""
+        unseen = identified([pid for pids in more for pid in pids if pid not in self.seen])
+        return {**unseen, **self.seen}
+
+    def still_running(self, *more: Iterable[int]) -> list[str]:
+        """What :func:`still_running` says of :meth:`processes`."""
+        return still_running(self.processes(*more), self.roles)
 
     def __enter__(self) -> RunWatcher:
         self._thread = threading.Thread(target=self._watch, name="fault-watcher", daemon=True)
@@ -250,7 +319,10 @@ class RunWatcher:
 
     def _poll(self) -> None:
         for proc in descendants(self.helper_pid):
-            self.pids.add(proc.pid)
+            if proc.pid not in self.seen:
+                started = started_at(proc.pid)
+                self.seen[proc.pid] = ALREADY_GONE if started is None else started
+                self.roles.setdefault(proc.pid, f"under the helper from {time.strftime('%H:%M:%S')}")
             with contextlib.suppress(psutil.Error):
                 for port in (c.laddr.port for c in proc.net_connections(kind="inet")
                              if c.status == psutil.CONN_LISTEN):
@@ -260,8 +332,13 @@ class RunWatcher:
         for path in sorted(self.report_dir.glob("rank*.json")):
             rank = int(path.stem[4:])
             self.reports[rank] = read_report(path)
-            self.pids.update(self.reports[rank].get(k) for k in ("pid", "child_pid")
-                             if self.reports[rank].get(k))
+            for key, role in (("pid", f"rank {rank}"), ("child_pid", f"rank {rank}'s child")):
+                pid, started = self.reports[rank].get(key), self.reports[rank].get(f"{key}_started")
+                if pid:
+                    if started is None:  # a report of another target's: when it started, as for the rest
+                        started = self.seen[pid] if pid in self.seen else started_at(pid)
+                    self.seen[pid] = ALREADY_GONE if started is None else started
+                    self.roles[pid] = role
             if self.reports[rank].get("port"):
                 self.ports.add(self.reports[rank]["port"])
                 self.seen_on.setdefault(self.reports[rank]["port"], f"rank {rank}'s rendezvous port (its report)")

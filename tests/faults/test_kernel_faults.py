@@ -87,7 +87,7 @@ def test_kernel_interrupt(kernel: NotebookKernel, fault: str, rank: int, phase: 
         kernel.km.interrupt_kernel()
         cell = kernel.collect(msg_id, timeout=30)
     printed = {int(p) for p in re.findall(r"\(pid (\d+)\)", cell.stdout)}
-    gone = wait_gone(watcher.pids | printed, 10)
+    gone = wait_gone(watcher.processes(printed), 10)
     cleanup = None if gone is None else gone - interrupted
     error = cell.error or {}
     fault_record.update(fault="kernel_interrupt", label=fault, rank=rank, phase=phase,
@@ -118,7 +118,7 @@ def test_kernel_killed(kernel: NotebookKernel, fault: str, rank: int, phase: str
         wait_until_faulted(tmp_path, fault, rank)
         killed = time.time()
         os.kill(kernel.pid, signal.SIGKILL)
-        gone = wait_gone(watcher.pids | {helper_pid, kernel.pid}, 10)
+        gone = wait_gone(watcher.processes({helper_pid, kernel.pid}), 10)
     cleanup = None if gone is None else gone - killed
     fault_record.update(fault="kernel_killed", label=fault, rank=rank, phase=phase,
                         raised="(kernel died: Jupyter restarts it)", first_line="",
@@ -126,7 +126,7 @@ def test_kernel_killed(kernel: NotebookKernel, fault: str, rank: int, phase: str
 
     assert len(watcher.fact("pid")) == 2 and watcher.pids >= set(watcher.fact("pid"))
     assert cleanup is not None and cleanup <= KERNEL_DEATH_BOUND_S, \
-        f"cleanup {cleanup} s; left: {[p for p in watcher.pids | {helper_pid} if not wait_gone([p], 0)]}"
+        f"cleanup {cleanup} s; still running: {watcher.still_running({helper_pid})}"
     assert_ports_free(watcher, watcher.pids | {helper_pid, kernel.pid}, set())  # the kernel held none: it died
     kernel.restart()
     prepare(kernel)  # the next launch, in the restarted kernel, works

@@ -67,7 +67,7 @@ def test_big_return_value(rank: int, helper_pid: int, tmp_path: Path, fault_reco
         result = accelnb.launch(big_return, (rank,), num_processes=2, cpu=True, quiet=True)
     seconds = time.perf_counter() - started
     returned = time.time()
-    gone = wait_gone(watcher.pids, 5.0)
+    gone = wait_gone(watcher.processes(), 5.0)
     record_plain(fault_record, "big_return", rank, None, None if gone is None else gone - returned, 5.0,
                  label="200 MB tensor", seconds=seconds)
 
@@ -89,7 +89,7 @@ def test_flood_without_final_newline(rank: int, helper_pid: int, tmp_path: Path,
         result = accelnb.launch(flood, (rank,), num_processes=2, cpu=True, quiet=True)
     seconds = time.perf_counter() - started
     returned = time.time()
-    gone = wait_gone(watcher.pids, 5.0)
+    gone = wait_gone(watcher.processes(), 5.0)
     shown = capsys.readouterr().out
     record_plain(fault_record, "flood", rank, None, None if gone is None else gone - returned, 5.0,
                  label="100,000 lines, no final newline", seconds=seconds)
@@ -184,7 +184,7 @@ def test_auto_port_cannot_be_taken(helper_pid: int, tmp_path: Path, fault_record
 
     assert result.value == result.plan.master_port == result.values[1]
     assert attempts == {"127.0.0.1": errno.EADDRINUSE, "0.0.0.0": errno.EADDRINUSE}
-    assert wait_gone(watcher.pids, 5.0) is not None
+    assert wait_gone(watcher.processes(), 5.0) is not None
     assert not [c for c in listening_on(result.plan.master_port) if c.pid is None or c.pid in watcher.pids]
 
 

@@ -84,6 +84,7 @@ class Outcome:
     started: float
     returned: float
     gone: float | None
+    waited: float  # how long after the launch returned the test waited for every process to go
 
 
 def run_case(function: Any, args: tuple[Any, ...], report_dir: Path, helper_pid: int,
@@ -101,9 +102,9 @@ def run_case(function: Any, args: tuple[Any, ...], report_dir: Path, helper_pid:
     returned = time.time()
     captured = capsys.readouterr()
     printed = [int(p) for p in re.findall(r"\(pid (\d+)\)", captured.out)]
-    gone = wait_gone(watcher.pids | set(printed), bound)
+    gone = wait_gone(watcher.processes(printed), bound)
     seen = captured.out + captured.err + "\n" + (str(error) if error is not None else "")
-    return Outcome(error, seen, watcher, printed, started, returned, gone)
+    return Outcome(error, seen, watcher, printed, started, returned, gone, bound)
 
 
 def user_facing_type(error: BaseException | None) -> str:
@@ -113,10 +114,10 @@ def user_facing_type(error: BaseException | None) -> str:
     return base.__name__ if type(error) is base else f"{base.__name__} (also {type(error).__name__})"
 
 
-def assert_nothing_left(outcome: Outcome, helper_pid: int, bound: float) -> None:
+def assert_nothing_left(outcome: Outcome, helper_pid: int) -> None:
     watcher = outcome.watcher
-    assert outcome.gone is not None, f"pids still alive {bound} s after the launch returned: " + \
-        str(sorted(p for p in watcher.pids if not wait_gone([p], 0)))
+    assert outcome.gone is not None, f"still running {outcome.waited} s after the launch returned:\n" + \
+        "\n".join(watcher.still_running(outcome.printed_pids))
     ours = watcher.pids | set(outcome.printed_pids) | {helper_pid}
     held_ahead = ports_held_ahead()
     left = ports_left_listening(watcher, ours, held_ahead)
@@ -163,7 +164,7 @@ def test_fault(fault: str, rank: int, phase: str, tmp_path: Path, helper_pid: in
     # Nothing left, in time, and the next launch works ...
     assert set(reports) == {0, 1}, f"ranks that reported: {sorted(reports)}"
     assert {reports[r]["pid"] for r in (0, 1)} == set(outcome.printed_pids)
-    assert_nothing_left(outcome, helper_pid, bound)
+    assert_nothing_left(outcome, helper_pid)
     assert cleanup is not None and cleanup <= bound, f"cleanup took {cleanup} s (bound {bound} s)"
     if fault == "ignore_sigterm":  # the ladder's SIGKILL did it, after the grace
         assert outcome.returned - reference >= 2.5
@@ -203,7 +204,7 @@ def test_setup_failure(tmp_path: Path, helper_pid: int, capsys: pytest.CaptureFi
     assert re.match(r"Rank [01] failed: RuntimeError: Distributed package doesn't have MPI", first_line)
     assert "init_process_group" in outcome.seen
     assert len(outcome.printed_pids) == 2
-    assert_nothing_left(outcome, helper_pid, FAILURE_BOUND_S)
+    assert_nothing_left(outcome, helper_pid)
     assert cleanup is not None and cleanup <= SETUP_FAILURE_BOUND_S
     assert_next_launch_works()
 
