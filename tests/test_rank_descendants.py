@@ -27,6 +27,7 @@ from typing import Any
 
 import psutil
 import pytest
+from faultkit import is_gone
 
 import accelnb
 from accelnb.kernel.helper import template as helper_template
@@ -111,18 +112,9 @@ def wait_for_report(report_dir: str, rank: int) -> dict[str, Any]:
 
 
 # ── what the test checks ────────────────────────────────────────────────────────────────────────
-def is_running(pid: int, started: float) -> bool:
-    """The process we recorded still runs (not a zombie, not a new process reusing its pid)."""
-    try:
-        process = psutil.Process(pid)
-        return process.create_time() == started and process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
 def seconds_until_gone(processes: list[tuple[int, float]], bound: float) -> float | None:
     began = time.monotonic()
-    while any(is_running(pid, started) for pid, started in processes):
+    while not all(is_gone(pid, started) for pid, started in processes):
         if time.monotonic() - began > bound:
             return None
         time.sleep(0.01)
@@ -131,7 +123,7 @@ def seconds_until_gone(processes: list[tuple[int, float]], bound: float) -> floa
 
 def end_leftovers(processes: list[tuple[int, float]]) -> None:
     for pid, started in processes:
-        if is_running(pid, started):
+        if not is_gone(pid, started):
             os.kill(pid, signal.SIGKILL)
 
 
@@ -279,7 +271,7 @@ def test_the_helper_reports_a_rank_ended_only_once_what_it_started_is_gone() -> 
         send_frame(inbox, encode(Shutdown()))
         inbox.close()
         message = helper.receive(60.0)
-        still_running = [pid for pid, at in started if is_running(pid, at)]
+        still_running = [pid for pid, at in started if not is_gone(pid, at)]
         end_leftovers(started)
 
         assert message[:2] == ("exited", pids[0]), message

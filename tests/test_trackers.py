@@ -3,7 +3,7 @@
 helper processes (wandb's service) and the DataLoader's forked workers are gone after the launch;
 nothing deadlocks when both fork. Real launches, 2 CPU ranks, each with a 2-worker DataLoader.
 
-The processes are checked by pid and start time (psutil), as ``test_rank_descendants`` does: the
+The processes are checked by pid and start time (``faultkit.is_gone``), as ``test_rank_descendants`` does: the
 guarantee comes from the worker being a child subreaper, which catches what a service detaches
 with ``setsid`` and double forks.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import psutil
 import pytest
+from faultkit import is_gone
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from accelnb import launch
@@ -28,15 +28,7 @@ DEADLOCK_BOUND_S = 180  # a deadlock fails the launch with every rank's stack in
 
 
 def still_running(started: list[tuple[int, float, str]]) -> list[str]:
-    alive = []
-    for pid, created, name in started:
-        try:
-            process = psutil.Process(pid)
-            if process.create_time() == created and process.status() != psutil.STATUS_ZOMBIE:
-                alive.append(f"{name} (pid {pid})")
-        except psutil.NoSuchProcess:
-            pass
-    return alive
+    return [f"{name} (pid {pid})" for pid, created, name in started if not is_gone(pid, created)]
 
 
 def launch_tracked(log_with: str, tmp_path: Path, env: dict[str, str]) -> dict[int, Any]:

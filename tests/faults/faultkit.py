@@ -149,43 +149,37 @@ def descendants(pid: int) -> list[psutil.Process]:
     return []
 
 
-ALREADY_GONE = -1  # when a process started, where it had gone before it was seen: no process starts before boot
+ALREADY_GONE = -1.0  # when a process started, where it had gone before it was seen: no process starts before boot
 
 
-def started_at(pid: int) -> int | None:
-    """When ``pid`` started, in clock ticks since boot (field 22 of ``/proc/PID/stat``); None when
-    no process has that pid. A pid is given again once its process is gone (sooner than a wrap
-    around the pid space where someone rewinds ``ns_last_pid``): only the pid and this together
-    name one process."""
-    stat = _stat_fields(pid)
-    return None if stat is None else int(stat[19])
+def started_at(pid: int) -> float | None:
+    """When ``pid`` started (psutil's ``create_time``); None when no process has that pid. A pid
+    is given again once its process is gone (sooner than a wrap around the pid space where someone
+    rewinds ``ns_last_pid``): only the pid and this together name one process."""
+    try:
+        return psutil.Process(pid).create_time()
+    except psutil.NoSuchProcess:
+        return None
 
 
-def is_gone(pid: int, started: int | None = None) -> bool:
+def is_gone(pid: int, started: float | None = None) -> bool:
     """No process ``pid`` runs (a zombie counts as gone: it holds nothing but its pid); with
     ``started`` (:func:`started_at` when it was seen), a process that got the pid since is not it."""
-    stat = _stat_fields(pid)
-    return stat is None or stat[0] in (b"Z", b"X") or (started is not None and int(stat[19]) != started)
-
-
-def _stat_fields(pid: int) -> list[bytes] | None:
-    """``/proc/PID/stat`` from its third field (the state) on; None when no process has that pid."""
     try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            fields = stat.read()
-    except OSError:
-        return None
-    return fields[fields.rindex(b")") + 2:].split()  # the name (field 2) may hold spaces and ")"
+        process = psutil.Process(pid)
+        return process.status() == psutil.STATUS_ZOMBIE or (started is not None and process.create_time() != started)
+    except psutil.NoSuchProcess:
+        return True
 
 
-def identified(pids: Iterable[int] | Mapping[int, int | None]) -> dict[int, int | None]:
+def identified(pids: Iterable[int] | Mapping[int, float | None]) -> dict[int, float | None]:
     """pid: when it started, for each of ``pids``; a mapping is taken as that already."""
     if isinstance(pids, Mapping):
         return dict(pids)
     return {pid: started_at(pid) for pid in pids}
 
 
-def wait_gone(pids: Iterable[int] | Mapping[int, int | None], timeout: float) -> float | None:
+def wait_gone(pids: Iterable[int] | Mapping[int, float | None], timeout: float) -> float | None:
     """``time.time()`` when every process had gone (zombies count as gone), None on timeout.
     ``pids`` maps each pid to when it started (:func:`started_at`, as a watcher saw it), or is
     plain pids, each the process that has it now."""
@@ -200,7 +194,7 @@ def wait_gone(pids: Iterable[int] | Mapping[int, int | None], timeout: float) ->
         time.sleep(0.01)
 
 
-def still_running(pids: Mapping[int, int | None], roles: Mapping[int, str]) -> list[str]:
+def still_running(pids: Mapping[int, float | None], roles: Mapping[int, str]) -> list[str]:
     """What each process of ``pids`` that has not gone is, for a failure's message: its role in
     the run (``roles``), name, state, parent and command line."""
     described = []
@@ -277,7 +271,7 @@ class RunWatcher:
     interval: float = 0.03
     # Every process seen, pid: when it started (started_at when first seen, or as the rank
     # reported it; ALREADY_GONE when it had gone by then), and what each was, for a failure's message.
-    seen: dict[int, int] = field(default_factory=dict)
+    seen: dict[int, float] = field(default_factory=dict)
     roles: dict[int, str] = field(default_factory=dict)
     ports: set[int] = field(default_factory=set)
     # Where each port was first seen, for a failure's message: a process's listening socket, or a
@@ -291,7 +285,7 @@ class RunWatcher:
     def pids(self) -> set[int]:
         return set(self.seen)
 
-    def processes(self, *more: Iterable[int]) -> dict[int, int | None]:
+    def processes(self, *more: Iterable[int]) -> dict[int, float | None]:
         """Every process seen, and the ``more`` pids it did not see (each the process that has
         the pid now): what :func:`wait_gone` takes."""
         unseen = identified([pid for pids in more for pid in pids if pid not in self.seen])
