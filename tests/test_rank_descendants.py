@@ -27,7 +27,6 @@ from typing import Any
 
 import psutil
 import pytest
-from faultkit import is_gone
 
 import accelnb
 from accelnb.kernel.helper import template as helper_template
@@ -37,6 +36,9 @@ from accelnb.wire.events import CallError, CallResult, MetricBatch, RunCall, Shu
 from accelnb.wire.result_pickling import loads_in_kernel
 from accelnb.wire.spec import WorkerSpec
 from tests.conftest import is_standby, wait_until_no_workers
+
+sys.path.insert(0, str(Path(__file__).parent / "faults"))
+from faultkit import is_gone
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 

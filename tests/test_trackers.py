@@ -10,16 +10,19 @@ with ``setsid`` and double forks.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
-from faultkit import is_gone
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from accelnb import launch
 from tests.conftest import wait_until_no_workers
 from tests.tracker_targets import train_with_tracker
+
+sys.path.insert(0, str(Path(__file__).parent / "faults"))
+from faultkit import is_gone
 
 pytestmark = pytest.mark.usefixtures("no_leftovers")
 
