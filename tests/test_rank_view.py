@@ -60,6 +60,10 @@ def test_each_rank_shows_its_steps_speed_waiting_gpu_and_host_memory() -> None:
     text = rank_table.render_text(activity.rows(), final=False)
     assert "rank 1: step 10, 4.0 steps/s, 0.250 s/step, waiting 0%" in text and "slowest to reach" in text, text
     assert "GPU 0 (synthetic)" in text and f"{gpu.power_w:.0f} W" in text, text
+    # GPU memory in GiB, as both panels and nvidia-smi count it: an 80 GiB card is not "85.9 GB" here.
+    memory = f"{gpu.memory_used / 2**30:.1f} / {gpu.memory_total / 2**30:.1f} GiB"
+    assert memory in text and memory in rank_table.render_html(activity.rows(), final=False), text
+    assert memory in zero.describe() and " GB " not in zero.describe().split("host")[0], zero.describe()
 
 
 def test_a_balanced_run_marks_nobody_and_a_quiet_rank_says_so() -> None:

@@ -43,6 +43,7 @@ from typing import Any
 
 import ipywidgets as widgets
 
+from accelnb.kernel.display.byte_sizes import gpu_memory
 from accelnb.kernel.planning.inventory import GpuInfo, Inventory, read_inventory
 from accelnb.kernel.run import run_state
 from accelnb.kernel.run.group.stop_presses import PANEL_STOP
@@ -57,7 +58,6 @@ from accelnb.kernel.watched_state.selection import (
 from accelnb.notebook import kernel_messages
 
 DEFAULT_REFRESH_S = 3.0
-GIB = 2**30
 PHASE_COLORS = {"starting": "#8a6d00", "running": "#1a6fb5", "done": "#2e7d32",
                 "failed": "#c62828", "stopped": "#6d4c41"}
 COLUMNS = ("GPU", "Name", "Memory used / total", "Util", "UUID", "Processes")
@@ -197,7 +197,7 @@ class Panel(widgets.VBox):
     def _show_gpu(self, row: GpuRow, gpu: GpuInfo) -> None:
         row.memory_bar.max = max(gpu.memory_total, 1)
         row.memory_bar.value = min(gpu.memory_used, row.memory_bar.max)
-        row.memory.value = f"{gpu.memory_used / GIB:.1f} / {gpu.memory_total / GIB:.1f} GiB"
+        row.memory.value = gpu_memory(gpu.memory_used, gpu.memory_total)
         row.utilization.value = "n/a" if gpu.utilization is None else f"{gpu.utilization} %"
         run = run_state.current_run()
         ours = {r.pid for r in run.ranks} if run is not None and not run.finished else set()

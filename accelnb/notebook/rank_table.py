@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from html import escape
 
-from accelnb.kernel.display.byte_sizes import human_bytes
+from accelnb.kernel.display.byte_sizes import gpu_memory, human_bytes
 from accelnb.kernel.display.rank_activity import GpuSample, RankRow
 
 # A rank whose last step is this many of its step times ago (and at least STALL_MIN_S) is shown
@@ -75,7 +75,7 @@ def _gpu_figures(gpu: GpuSample | None) -> list[str]:
         return ["", "", "", ""]
     label = f"{gpu.gpu}{' (synthetic)' if gpu.synthetic else ''}"
     util = "" if gpu.utilization is None else f"{gpu.utilization}%"
-    memory = f"{human_bytes(gpu.memory_used)} / {human_bytes(gpu.memory_total)}"
+    memory = gpu_memory(gpu.memory_used, gpu.memory_total)
     power = "" if gpu.power_w is None else f"{gpu.power_w:.0f} W"
     return [label, util, memory, power]
 

@@ -1,10 +1,13 @@
 """Byte counts as people write and read them: ``80.3 KB``, ``--return-limit 1GB``.
 
-Decimal units throughout (1 KB = 1,000 bytes), as Jupyter states its own limits; ``KiB``/``MiB``/
-``GiB`` are accepted when parsing, for people who think in powers of two.
+Decimal units (1 KB = 1,000 bytes), as Jupyter states its own limits; ``KiB``/``MiB``/``GiB`` are
+accepted when parsing, for people who think in powers of two. GPU memory alone is in GiB
+(:func:`gpu_memory`), as nvidia-smi and the cards' names count it.
 
     >>> human_bytes(80_300), human_bytes(5_200_000)
     ('80.3 KB', '5.2 MB')
+    >>> gpu_memory(3 * 2**30, 80 * 2**30)
+    '3.0 / 80.0 GiB'
     >>> describe_limit(256 * 2**20), describe_limit(10**9)
     ('256 MiB', '1.0 GB')
     >>> parse_byte_size("256MB"), parse_byte_size("1.5 GiB")
@@ -28,6 +31,13 @@ def human_bytes(count: int) -> str:
         if count < scale * 1000:
             return f"{count / scale:.1f} {unit}"
     return f"{count / 1e9:.1f} GB"
+
+
+def gpu_memory(used: int, total: int) -> str:
+    """A GPU's memory in use, of its total, in GiB: ``3.0 / 80.0 GiB``. GPU memory is counted in
+    powers of two wherever people read it (nvidia-smi's MiB, an "80GB" card's 80 GiB), so every
+    view of it says GiB: the panels, the per-rank view and its one-line summary alike."""
+    return f"{used / 2**30:.1f} / {total / 2**30:.1f} GiB"
 
 
 def describe_limit(limit: int) -> str:

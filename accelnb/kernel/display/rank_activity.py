@@ -33,6 +33,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
+from accelnb.kernel.display.byte_sizes import gpu_memory
 from accelnb.kernel.display.straggler_watch import MIN_LEAD_S, MIN_SHARE
 from accelnb.kernel.planning.inventory import GpuInfo, Inventory, read_inventory
 from accelnb.wire.events import MetricBatch, StepWindow
@@ -95,7 +96,7 @@ class RankRow:
     slowest: bool = False  # takes longest to reach the collective, by a margin that matters
 
     def describe(self) -> str:
-        """One compact line: ``step 120 · 3.2 steps/s · waiting 12% · GPU 87% 10.2/80.0 GB 250 W · host 1.2 GB``
+        """One compact line: ``step 120 · 3.2 steps/s · waiting 12% · GPU 87% 10.2 / 80.0 GiB 250 W · host 1.2 GB``
         (what the side panel and a session's status show)."""
         parts = [f"step {self.steps:,}"]
         if self.steps_per_s is not None:
@@ -106,7 +107,7 @@ class RankRow:
         if self.gpu is not None:
             util = "" if self.gpu.utilization is None else f" {self.gpu.utilization}%"
             power = "" if self.gpu.power_w is None else f" {self.gpu.power_w:.0f} W"
-            parts.append(f"GPU{util} {self.gpu.memory_used / 1e9:.1f}/{self.gpu.memory_total / 1e9:.1f} GB{power}")
+            parts.append(f"GPU{util} {gpu_memory(self.gpu.memory_used, self.gpu.memory_total)}{power}")
         if self.host_memory is not None:
             parts.append(f"host {self.host_memory / 1e9:.1f} GB")
         if self.slowest:
